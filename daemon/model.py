@@ -1,0 +1,93 @@
+"""Value types shared by the daemon's service layer, its gRPC servicer and its journal.
+
+The service decides; the servicer translates these to and from protobuf messages. Keep this
+module free of I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class JobKind(enum.StrEnum):
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"  # the daemon died while the job ran; recovered at start
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING)
+
+
+class Phase(enum.StrEnum):
+    PENDING = "pending"
+    FREEZE_GPU = "freeze-gpu"
+    DUMP = "dump"
+    THAW = "thaw"
+    UPLOAD = "upload"
+    COMMIT = "commit"
+    FETCH = "fetch"
+    COMPAT = "compat"
+    RESTORE_PROCESS = "restore-process"
+    RESTORE_GPU = "restore-gpu"
+    COLD_START = "cold-start"
+    DONE = "done"
+
+
+@dataclass
+class Progress:
+    bytes_done: int = 0
+    bytes_total: int = 0
+    rate_bytes_per_s: float = 0.0
+
+
+@dataclass
+class Job:
+    id: str
+    kind: JobKind
+    workload: str
+    state: JobState = JobState.QUEUED
+    phase: Phase = Phase.PENDING
+    progress: Progress = field(default_factory=Progress)
+    created_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    trigger: str = "operator"  # operator | schedule | reclaim:aws | reclaim:gcp | ... | drill
+    deadline: float | None = None  # epoch seconds by which the commit must land
+    error: str | None = None  # one line
+    error_kind: str | None = None
+    # Filled as the job goes; keys are stable and mirrored in the CLI's --json output.
+    #   checkpoint: checkpoint_id, pause_seconds, seconds, bytes_total, bytes_uploaded,
+    #               chunks_total, chunks_uploaded, committed_before_deadline
+    #   restore:    checkpoint_id, mode ("restored" | "cold-start"), pids, reasons, seconds
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One mismatch between a checkpoint's stamp and this node."""
+
+    field: str  # dotted stamp path, e.g. "gpu.driver_version"
+    expected: str  # what the checkpoint recorded
+    actual: str  # what this node has
+    message: str  # one line an operator understands
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class CompatVerdict:
+    checkpoint_id: str
+    compatible: bool
+    reasons: tuple[Reason, ...] = ()

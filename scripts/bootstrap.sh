@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs everything gpusnap and its tests need on a fresh Debian 12/13 machine (as root):
+# system packages, CRIU >= 4 (scripts/install-criu.sh), and a virtualenv in .venv with the
+# package installed editable plus its dev tools. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+need_apt=()
+for bin in zstd systemd-analyze ip; do
+  command -v "$bin" >/dev/null 2>&1 || need_apt+=("$bin")
+done
+if ((${#need_apt[@]})); then
+  pkgs=()
+  for b in "${need_apt[@]}"; do
+    case "$b" in
+      zstd) pkgs+=(zstd) ;;
+      systemd-analyze) pkgs+=(systemd) ;;
+      ip) pkgs+=(iproute2) ;;
+    esac
+  done
+  echo "bootstrap: installing ${pkgs[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
+fi
+
+bash scripts/install-criu.sh
+
+py=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+fi
+stamp=.venv/.gpusnap-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "bootstrap: installing Python packages into .venv" >&2
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -m pip install -q -e "$root[dev]" 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -c "import gpusnap.storage, grpc, zstandard, boto3, moto" >/dev/null
+  touch "$stamp"
+fi
