@@ -1,0 +1,77 @@
+"""A failed CUDA driver call, and the error kind each CUDA error name maps to.
+
+Kept free of ``cuda`` imports so that the fake driver in ``tests/`` and the daemon process
+(which never loads libcuda itself) can use it.
+"""
+
+from __future__ import annotations
+
+from gpusnap.storage.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    GpusnapError,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+    Unsupported,
+)
+
+# The driver's C names, as ``cuGetErrorName`` returns them, for the calls the worker runs.
+CALL_NAMES: dict[str, str] = {
+    "init": "cuInit",
+    "get_state": "cuCheckpointProcessGetState",
+    "get_restore_thread_id": "cuCheckpointProcessGetRestoreThreadId",
+    "lock": "cuCheckpointProcessLock",
+    "checkpoint": "cuCheckpointProcessCheckpoint",
+    "restore": "cuCheckpointProcessRestore",
+    "unlock": "cuCheckpointProcessUnlock",
+    "checkpoint_custom_storage": "cuCheckpointProcessCheckpoint(customStorageInfo_out)",
+    "restore_custom_storage": "cuCheckpointProcessRestore(customStorageInfo_out)",
+    "operation_complete": "cuCheckpointOperationComplete",
+    "custom_storage_supported": "cuGetProcAddress(cuCheckpointOperationComplete, 13040)",
+    "driver_version": "cuDriverGetVersion",
+    "driver_version_string": "/proc/driver/nvidia/version",
+    "devices": "cuDeviceGet*",
+    "memory_info": "cuMemGetInfo",
+}
+
+_KINDS: dict[str, type[GpusnapError]] = {
+    # For a pid, NOT_INITIALIZED means "this process holds no CUDA state".
+    "CUDA_ERROR_NOT_INITIALIZED": FailedPrecondition,
+    "CUDA_ERROR_ILLEGAL_STATE": FailedPrecondition,
+    "CUDA_ERROR_OUT_OF_MEMORY": FailedPrecondition,
+    "CUDA_ERROR_NOT_READY": DeadlineExceeded,  # lock timed out; the process runs on
+    "CUDA_ERROR_NOT_SUPPORTED": Unsupported,
+    "CUDA_ERROR_NOT_FOUND": Unsupported,
+    "CUDA_ERROR_INVALID_VALUE": InvalidArgument,
+    "CUDA_ERROR_NO_DEVICE": Unavailable,
+    "CUDA_ERROR_INSUFFICIENT_DRIVER": Unavailable,
+    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": Unavailable,
+    "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE": Unavailable,
+    "CUDA_ERROR_OPERATING_SYSTEM": FailedPrecondition,  # e.g. no ptrace rights over the target
+}
+
+
+def kind_for(cuda_error: str) -> type[GpusnapError]:
+    """The project's error kind for a CUDA error name."""
+    return _KINDS.get(cuda_error, Internal)
+
+
+class CudaError(Exception):
+    """A driver call returned something other than CUDA_SUCCESS.
+
+    Raised by the driver modules inside the GPU worker; the worker sends ``call``, ``pid`` and
+    ``cuda_error`` to the daemon, which raises the matching kind from ``storage.errors``.
+    """
+
+    def __init__(self, call: str, pid: int | None, cuda_error: str) -> None:
+        self.call = call
+        self.pid = pid
+        self.cuda_error = cuda_error
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        name = CALL_NAMES.get(self.call, self.call)
+        target = f"({self.pid})" if self.pid is not None else "()"
+        return f"{name}{target} failed: {self.cuda_error}"

@@ -1,0 +1,171 @@
+"""The daemon's handle on its GPU worker process.
+
+Driver calls can block inside the driver, so none runs in the daemon: a long-lived worker
+process (``_worker_main``) makes them, one at a time, and every call has a deadline. A call
+past its deadline gets the worker SIGKILLed and respawned, and fails with ``DeadlineExceeded``
+naming the call, the pid and the state the process is left in, as a fresh worker sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from gpusnap.daemon.gpu.cudaerror import CALL_NAMES
+from gpusnap.daemon.gpu.protocol import FrameTimeout, PeerClosed, read_frame, write_frame
+from gpusnap.storage.errors import DeadlineExceeded, GpusnapError, Internal, error_from_kind
+
+log = logging.getLogger(__name__)
+
+STATE_PROBE_TIMEOUT_S = 5.0
+
+
+class CallFailed(GpusnapError):
+    """Internal carrier: a driver call failed with a CUDA error the caller said it tolerates."""
+
+    def __init__(self, cuda_error: str, message: str) -> None:
+        super().__init__(message)
+        self.cuda_error = cuda_error
+
+
+def _describe(call: str, args: list[Any]) -> str:
+    name = CALL_NAMES.get(call, call)
+    pid = args[0] if args and call not in ("operation_complete",) else None
+    return f"{name}({pid})" if isinstance(pid, int) else f"{name}()"
+
+
+class GpuWorker:
+    """One worker process, respawned whenever it dies or misses a deadline."""
+
+    def __init__(self, driver: str = "cuda", call_timeout_s: float = 30.0) -> None:
+        self.driver = driver
+        self.call_timeout_s = call_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self.spawn_count = 0
+
+    # -- process lifecycle -------------------------------------------------------------
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        # The worker imports what this process can import (the fake lives in tests/).
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpusnap.daemon.gpu._worker_main", self.driver],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        self.spawn_count += 1
+        log.info("GPU worker started (pid %d, driver %s)", proc.pid, self.driver)
+        return proc
+
+    def _ensure(self) -> subprocess.Popen[bytes]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._spawn()
+        return self._proc
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL: a call stuck in the driver ignores anything gentler
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        log.warning("GPU worker %d killed", proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def close(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is None:
+                return
+            if proc.stdin is not None:
+                proc.stdin.close()  # EOF: the worker returns from serve() and exits
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    # -- calls -----------------------------------------------------------------------
+
+    def _roundtrip(self, call: str, args: list[Any], timeout_s: float) -> dict[str, Any]:
+        proc = self._ensure()
+        assert proc.stdin is not None and proc.stdout is not None
+        write_frame(proc.stdin.fileno(), {"call": call, "args": args})
+        return read_frame(proc.stdout.fileno(), time.monotonic() + timeout_s)
+
+    def call(
+        self,
+        call: str,
+        *args: Any,
+        timeout_s: float | None = None,
+        tolerate: tuple[str, ...] = (),
+    ) -> Any:
+        """Run one driver call in the worker and return its result.
+
+        A CUDA error listed in ``tolerate`` raises ``CallFailed`` (its ``cuda_error`` says
+        which); any other failure raises the error kind the CUDA error maps to.
+        """
+        limit = self.call_timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            try:
+                reply = self._roundtrip(call, list(args), limit)
+            except FrameTimeout:
+                self._kill()
+                state = self._state_after_restart(call, list(args))
+                raise DeadlineExceeded(
+                    f"{_describe(call, list(args))} did not return within {limit:g}s; "
+                    f"worker restarted; {state}"
+                ) from None
+            except (PeerClosed, BrokenPipeError, ValueError, TypeError) as exc:
+                code = self._proc.poll() if self._proc is not None else None
+                self._kill()
+                raise Internal(
+                    f"GPU worker died during {_describe(call, list(args))} "
+                    f"(exit status {code}, {type(exc).__name__}); it will be restarted"
+                ) from exc
+        if "error" in reply:
+            err = reply["error"]
+            cuda_error = err.get("cuda_error")
+            if cuda_error and cuda_error in tolerate:
+                raise CallFailed(str(cuda_error), str(err.get("message")))
+            raise error_from_kind(str(err.get("kind")), str(err.get("message")))
+        return reply.get("ok")
+
+    def _state_after_restart(self, call: str, args: list[Any]) -> str:
+        """What a fresh worker sees of the process the stuck call was about."""
+        named = bool(args) and isinstance(args[0], int) and call != "operation_complete"
+        pid = args[0] if named else None
+        if pid is None:
+            return "no process was named"
+        try:
+            reply = self._roundtrip("get_state", [pid], STATE_PROBE_TIMEOUT_S)
+        except FrameTimeout:
+            self._kill()
+            return f"state of process {pid} unknown (cuCheckpointProcessGetState hung too)"
+        except (PeerClosed, BrokenPipeError, ValueError, TypeError):
+            self._kill()
+            return f"state of process {pid} unknown (worker died again)"
+        if "error" in reply:
+            err = reply["error"]
+            if err.get("cuda_error") == "CUDA_ERROR_NOT_INITIALIZED":
+                return f"process {pid} holds no CUDA state"
+            return f"state of process {pid} unknown ({err.get('message')})"
+        return f"process {pid} is {reply.get('ok')}"

@@ -1,0 +1,223 @@
+"""Checkpoint and restore real CUDA workloads: tokens after restore equal an uninterrupted run.
+
+Runs only on a machine with an NVIDIA GPU (see conftest.py); needs root (CRIU, and ptrace
+rights over the workload for the checkpoint API) and CRIU >= 4 for the kill-and-restore tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpusnap.daemon.criu import Criu
+from gpusnap.daemon.gpu import GpuCoordinator
+
+WORKLOAD = Path(__file__).with_name("workload.py")
+STEPS = 300
+WAIT_S = 300.0  # bound on waiting for a workload; not a performance threshold
+
+
+def _tokens(path: Path) -> list[str]:
+    return path.read_text().split()
+
+
+def _start(kind: str, out: Path, *extra: str) -> subprocess.Popen[bytes]:
+    log = open(out.with_suffix(".log"), "wb")
+    return subprocess.Popen(
+        [sys.executable, str(WORKLOAD), "--kind", kind, "--out", str(out), *extra],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,  # a session leader: CRIU needs no --shell-job
+        cwd=out.parent,
+    )
+
+
+def _wait_lines(path: Path, n: int) -> None:
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        if path.exists() and len(_tokens(path)) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {n} lines")
+
+
+def _wait_gone(pid: int) -> None:
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not finish")
+
+
+def _tree(pid: int) -> list[int]:
+    pids = [pid]
+    for p in pids:
+        children = Path(f"/proc/{p}/task/{p}/children")
+        if children.exists():
+            pids += [int(c) for c in children.read_text().split()]
+    return pids
+
+
+@pytest.fixture
+def coordinator() -> Iterator[GpuCoordinator]:
+    c = GpuCoordinator.create(driver="cuda", call_timeout_s=120.0)
+    caps = c.capabilities()
+    if not caps["checkpoint_api"]:
+        pytest.skip(f"no checkpoint API: {caps['message']}")
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def criu() -> Any:
+    c = Criu()
+    try:
+        c.check()
+    except Exception as exc:  # no CRIU here: these tests cannot run
+        pytest.skip(f"CRIU unusable: {exc}")
+    return c
+
+
+def _reference(tmp_path: Path, kind: str) -> list[str]:
+    out = tmp_path / f"reference-{kind}.txt"
+    proc = _start(kind, out, "--steps", str(STEPS))
+    assert proc.wait(timeout=WAIT_S) == 0
+    return _tokens(out)
+
+
+@pytest.mark.parametrize("kind", ["kv", "rnn"])
+def test_killed_and_restored_workload_continues_with_identical_tokens(
+    tmp_path: Path, coordinator: GpuCoordinator, criu: Any, figures: Any, kind: str
+) -> None:
+    expected = _reference(tmp_path, kind)
+    out = tmp_path / f"run-{kind}.txt"
+    proc = _start(kind, out, "--steps", str(STEPS), "--delay", "0.02")
+    _wait_lines(out, STEPS // 3)
+    t0 = time.monotonic()
+    freeze = coordinator.freeze(_tree(proc.pid))
+    assert freeze.cuda_pids == [proc.pid]
+    stamp = coordinator.stamp() | freeze.to_stamp()
+    images = tmp_path / "images"
+    dump = criu.dump(proc.pid, images, leave_running=False, log_path=tmp_path / "dump.log")
+    checkpoint_s = time.monotonic() - t0
+    proc.wait(timeout=WAIT_S)  # CRIU killed it
+    written = len(_tokens(out))
+    assert written < STEPS
+
+    t1 = time.monotonic()
+    restored = criu.restore(images, log_path=tmp_path / "restore.log", pidfile=tmp_path / "pid")
+    assert restored.pid == proc.pid  # CRIU restores the same pid
+    coordinator.restore([restored.pid], stamp)
+    restore_s = time.monotonic() - t1
+    _wait_gone(restored.pid)
+    assert _tokens(out) == expected
+    figures(
+        f"kill-restore-{kind}",
+        gpu_bytes=freeze.to_stamp()["bytes_total"],
+        image_bytes=dump.images_bytes,
+        criu_pause_s=dump.pause_seconds,
+        lock_s=freeze.lock_seconds,
+        gpu_checkpoint_s=freeze.checkpoint_seconds,
+        checkpoint_s=checkpoint_s,
+        restore_s=restore_s,
+        tokens_before_kill=written,
+    )
+
+
+def test_leave_running_checkpoint_pauses_and_continues(
+    tmp_path: Path, coordinator: GpuCoordinator, criu: Any, figures: Any
+) -> None:
+    expected = _reference(tmp_path, "kv")
+    out = tmp_path / "run.txt"
+    proc = _start("kv", out, "--steps", str(STEPS), "--delay", "0.02")
+    _wait_lines(out, STEPS // 3)
+    t0 = time.monotonic()
+    freeze = coordinator.freeze([proc.pid])
+    criu.dump(proc.pid, tmp_path / "images", leave_running=True, log_path=tmp_path / "d.log")
+    coordinator.thaw(freeze)
+    pause_s = time.monotonic() - t0
+    assert proc.wait(timeout=WAIT_S) == 0
+    assert _tokens(out) == expected
+    figures("leave-running", pause_s=pause_s, gpu_bytes=freeze.to_stamp()["bytes_total"])
+
+
+def test_restore_with_explicit_uuid_map_onto_the_same_gpu(
+    tmp_path: Path, coordinator: GpuCoordinator
+) -> None:
+    if not coordinator.capabilities()["gpu_remap"]:
+        pytest.skip("driver cannot remap GPUs")
+    expected = _reference(tmp_path, "rnn")
+    out = tmp_path / "run.txt"
+    proc = _start("rnn", out, "--steps", str(STEPS), "--delay", "0.02")
+    _wait_lines(out, STEPS // 3)
+    freeze = coordinator.freeze([proc.pid])
+    stamp = coordinator.stamp() | freeze.to_stamp()
+    identity = {d["uuid"]: d["uuid"] for d in stamp["devices"]}
+    coordinator.restore([proc.pid], stamp, gpu_map=identity)
+    assert proc.wait(timeout=WAIT_S) == 0
+    assert _tokens(out) == expected
+
+
+def _pinned_memcpy_gbps(nbytes: int) -> tuple[float, float]:
+    """Plain pinned host<->device copy throughput (GB/s) in this run: D2H, H2D."""
+    import torch  # noqa: PLC0415 - only the GPU machine has torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev.fill_(7)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    d2h = nbytes / (time.perf_counter() - t) / 1e9
+    t = time.perf_counter()
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = nbytes / (time.perf_counter() - t) / 1e9
+    del dev, host
+    torch.cuda.empty_cache()
+    return d2h, h2d
+
+
+def test_checkpoint_path_throughput_against_pinned_memcpy(
+    tmp_path: Path, coordinator: GpuCoordinator, figures: Any
+) -> None:
+    hold_gib = float(os.environ.get("GPUSNAP_GPU_HOLD_GIB", "8"))
+    out = tmp_path / "hold.txt"
+    proc = _start("hold", out, "--hold-gib", str(hold_gib), "--steps", "400", "--delay", "0.01")
+    _wait_lines(out, 1)
+    freeze = coordinator.freeze([proc.pid])
+    t = time.monotonic()
+    coordinator.thaw(freeze)
+    thaw_s = time.monotonic() - t
+    assert proc.wait(timeout=WAIT_S) == 0
+    assert _tokens(out)[-1] == "intact"
+    nbytes = freeze.to_stamp()["bytes_total"]
+    assert nbytes >= int(hold_gib * 2**30)
+    d2h, h2d = _pinned_memcpy_gbps(int(hold_gib * 2**30))
+    figures(
+        "throughput",
+        gpu_bytes=nbytes,
+        checkpoint_d2h_gbps=nbytes / freeze.checkpoint_seconds / 1e9,
+        restore_h2d_gbps=nbytes / thaw_s / 1e9,
+        pinned_memcpy_d2h_gbps=d2h,
+        pinned_memcpy_h2d_gbps=h2d,
+        lock_s=freeze.lock_seconds,
+        checkpoint_s=freeze.checkpoint_seconds,
+        restore_unlock_s=thaw_s,
+    )
