@@ -11,9 +11,13 @@ raised by the underlying library is translated at this boundary.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from gpusnap.storage.errors import InvalidArgument
+from gpusnap.storage.retry import RetryingBackend  # retry.py needs this module for types only
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,11 @@ class BackendOptions:
     max_pool_connections: int = 32
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
+    # How ``open_backend`` wraps the backend in ``RetryingBackend``.
+    retry_attempts: int = 6
+    retry_base_delay: float = 0.2
+    retry_max_delay: float = 10.0
+    retry_deadline: float | None = None  # seconds for one call, all attempts together
 
 
 @runtime_checkable
@@ -52,11 +61,25 @@ class Backend(Protocol):
         """
         ...
 
-    def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes: ...
+    def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        """Return ``length`` bytes of ``key`` from ``offset`` (all of the rest when ``None``).
 
-    def stat(self, key: str) -> ObjectInfo | None: ...
+        Fewer bytes come back when the object ends first; an offset at or past the end gives
+        ``b""``. A missing key raises ``NotFound``.
+        """
+        ...
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size and mtime of ``key``, or ``None`` when there is no such object."""
+        ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (a plain string prefix, recursive).
+
+        Keys come in ascending order (code point order, which is UTF-8 byte order, as S3
+        lists them); ``RetryingBackend`` relies on this to resume a listing that failed.
+        """
+        ...
 
     def delete(self, key: str) -> None:
         """Remove ``key``; deleting a missing key is not an error."""
@@ -70,13 +93,100 @@ BackendFactory = Callable[[str, BackendOptions], Backend]
 _REGISTRY: dict[str, BackendFactory] = {}
 
 
+# Built-in backends register themselves when their module is imported. They are imported
+# lazily, only when their scheme is asked for, so that ``file://`` users never pay for boto3.
+_BUILTIN_MODULES: dict[str, str] = {
+    "file": "gpusnap.storage.file_backend",
+    "s3": "gpusnap.storage.s3_backend",
+}
+
+
 def register_backend(scheme: str, factory: BackendFactory) -> None:
     _REGISTRY[scheme] = factory
 
 
 def registered_schemes() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
 
 
 def backend_factory(scheme: str) -> BackendFactory | None:
+    if scheme not in _REGISTRY and scheme in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[scheme])
     return _REGISTRY.get(scheme)
+
+
+def open_backend(url: str, options: BackendOptions | None = None) -> Backend:
+    """Open the store at ``url`` (``file:///abs/path`` or ``s3://bucket/prefix``).
+
+    The backend comes wrapped in a ``RetryingBackend`` configured from ``options``.
+    A malformed URL or an unknown scheme raises ``InvalidArgument``.
+    """
+    options = options or BackendOptions()
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidArgument("store URL is empty; expected file:///path or s3://bucket/prefix")
+    if any(ch in url for ch in _FORBIDDEN_URL_CHARS):
+        raise InvalidArgument(f"store URL {url!r} contains control characters")
+    scheme, sep, _ = url.partition("://")
+    if not sep or not scheme:
+        raise InvalidArgument(
+            f"store URL {url!r} has no scheme; expected file:///path or s3://bucket/prefix"
+        )
+    scheme = scheme.lower()
+    factory = backend_factory(scheme)
+    if factory is None:
+        raise InvalidArgument(
+            f"store URL {url!r} has unknown scheme {scheme!r}; "
+            f"supported: {', '.join(registered_schemes())}"
+        )
+    inner = factory(url, options)
+    return RetryingBackend(
+        inner,
+        attempts=options.retry_attempts,
+        base_delay=options.retry_base_delay,
+        max_delay=options.retry_max_delay,
+        deadline=options.retry_deadline,
+    )
+
+
+_FORBIDDEN_URL_CHARS = frozenset(chr(c) for c in range(32)) | {"\x7f"}
+MAX_KEY_LENGTH = 1024
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe object key, else raise ``InvalidArgument``.
+
+    A key is ``/``-separated segments, relative, with no empty, ``.`` or ``..`` segment, no
+    backslash and no control character. Every backend checks keys with this one function so
+    that a key accepted by one store is accepted by all, and none can name a path outside a
+    ``file://`` root.
+    """
+    _check_path_like(key, what="key")
+    if key.endswith("/"):
+        raise InvalidArgument(f"invalid store key {key!r}: ends with '/'")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Like ``validate_key`` for a listing prefix: may be empty and may end with ``/``."""
+    if prefix == "":
+        return prefix
+    _check_path_like(prefix.removesuffix("/"), what="prefix")
+    return prefix
+
+
+def _check_path_like(value: str, *, what: str) -> None:
+    if not isinstance(value, str) or value == "":
+        raise InvalidArgument(f"invalid store {what} {value!r}: empty")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_KEY_LENGTH:
+        raise InvalidArgument(f"invalid store {what}: longer than {MAX_KEY_LENGTH} bytes")
+    if value.startswith("/"):
+        raise InvalidArgument(f"invalid store {what} {value!r}: absolute")
+    if "\\" in value:
+        raise InvalidArgument(f"invalid store {what} {value!r}: contains a backslash")
+    if any(ch in _FORBIDDEN_URL_CHARS for ch in value):
+        raise InvalidArgument(f"invalid store {what} {value!r}: contains a control character")
+    for segment in value.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidArgument(
+                f"invalid store {what} {value!r}: empty, '.' or '..' path segment"
+            )
