@@ -1,3 +1,169 @@
 #!/usr/bin/env bash
-# Placeholder until the CRIU installer lands; see issue 3.
-exit 0
+# Installs CRIU >= 4.0 for gpusnap on Debian 12 or 13 (run as root; scripts/bootstrap.sh calls it).
+#
+# Debian 13+ : `apt-get install criu` (4.1).
+# Debian 12  : bookworm's criu 3.17 cannot run on current kernels ("vdso: Unexpected rt vDSO area
+#              bounds"), so Debian 13's criu and the libraries it needs are downloaded from the
+#              trixie suite, unpacked (dpkg -x, nothing is installed) into $PREFIX, and run through
+#              the prefix's own dynamic loader by a wrapper at $WRAPPER. The trixie suite is added
+#              to apt with a pin of priority 1, so apt never installs or upgrades anything from it
+#              by itself; we only ever ask for explicit `pkg/trixie` downloads.
+#
+# Idempotent: when a working criu >= 4.0 is already there it only checks and exits.
+# See docs/operations-criu.md.
+set -euo pipefail
+
+PREFIX=${GPUSNAP_CRIU_PREFIX:-/opt/gpusnap/criu}
+WRAPPER=${GPUSNAP_CRIU_WRAPPER:-/usr/local/sbin/criu}
+MIN_MAJOR=4
+work=
+TRIXIE_SOURCES=/etc/apt/sources.list.d/gpusnap-trixie.sources
+TRIXIE_PIN=/etc/apt/preferences.d/gpusnap-trixie
+# criu, libcompel1 and the closure of their Depends in trixie (the private loader resolves every
+# library inside the prefix; the check below fails the install if one resolves outside it).
+TRIXIE_PACKAGES=(
+  criu libcompel1 libc6 libgcc-s1 gcc-14-base libbsd0 libmd0 libgnutls30t64 libgmp10
+  libhogweed6t64 libnettle8t64 libidn2-0 libunistring5 libp11-kit0 libffi8 libtasn1-6 libnet1
+  libnftables1 libjansson4 libmnl0 libnftnl11 libxtables12 libnl-3-200 libprotobuf-c1 libuuid1
+)
+
+log() { echo "install-criu: $*" >&2; }
+die() {
+  log "error: $*"
+  exit 1
+}
+
+# Prints "MAJOR.MINOR[.PATCH]" of a criu binary, or nothing when it does not run.
+criu_version() {
+  "$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9][0-9.]*\).*/\1/p' | head -n1
+}
+
+# True when $1 is a criu >= MIN_MAJOR that passes `criu check`.
+criu_works() {
+  local bin=$1 ver
+  [ -x "$bin" ] || return 1
+  ver=$(criu_version "$bin")
+  [ -n "$ver" ] || return 1
+  [ "${ver%%.*}" -ge "$MIN_MAJOR" ] || return 1
+  "$bin" check >/dev/null 2>&1
+}
+
+summary() {
+  local bin=$1 how=$2 check
+  check=$("$bin" check 2>&1 | grep -v '^Warn' | tail -n1)
+  echo "install-criu: criu $(criu_version "$bin") at $bin ($how): $check"
+}
+
+[ "$(id -u)" -eq 0 ] || die "must run as root (CRIU needs CAP_SYS_ADMIN); try: sudo $0"
+
+# Fast path: something already works. Our wrapper first (it shadows an old system criu).
+for cand in "$WRAPPER" "$(command -v criu 2>/dev/null || true)"; do
+  if [ -n "$cand" ] && criu_works "$cand"; then
+    summary "$cand" "already installed"
+    exit 0
+  fi
+done
+
+. /etc/os-release
+distro_id=${ID:-unknown}
+codename=${VERSION_CODENAME:-}
+major=${VERSION_ID:-0}
+major=${major%%.*}
+arch=$(dpkg --print-architecture)
+
+install_from_apt() {
+  log "installing criu with apt-get ($PRETTY_NAME)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq criu >/dev/null
+  local bin
+  bin=$(command -v criu || true)
+  [ -n "$bin" ] || die "apt-get install criu gave no criu binary"
+  criu_works "$bin" || die "criu $(criu_version "$bin") from apt does not work here (need >= $MIN_MAJOR.0 and a passing 'criu check'); see docs/operations-criu.md"
+  summary "$bin" "apt"
+}
+
+install_private_trixie() {
+  [ "$arch" = amd64 ] || die "the Debian 12 path supports amd64 only (this is $arch); install CRIU >= 4.0 by hand"
+  log "Debian 12: fetching Debian 13's criu into $PREFIX (system packages are not touched)"
+
+  if [ ! -f "$TRIXIE_SOURCES" ]; then
+    cat >"$TRIXIE_SOURCES" <<'EOF'
+# Added by gpusnap scripts/install-criu.sh: Debian 13's criu is unpacked into /opt/gpusnap/criu.
+# Pinned to priority 1 in /etc/apt/preferences.d/gpusnap-trixie: apt never installs or upgrades
+# anything from trixie unless asked for by name (pkg/trixie).
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: trixie
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+  fi
+  cat >"$TRIXIE_PIN" <<'EOF'
+# Added by gpusnap scripts/install-criu.sh: never pick packages from trixie on this Debian 12 system.
+Package: *
+Pin: release n=trixie
+Pin-Priority: 1
+EOF
+  [ -s /usr/share/keyrings/debian-archive-keyring.gpg ] \
+    || die "missing /usr/share/keyrings/debian-archive-keyring.gpg; apt-get install debian-archive-keyring"
+  apt-get update -qq
+
+  local staging
+  work=$(mktemp -d /tmp/gpusnap-criu.XXXXXX)
+  trap 'rm -rf "$work"' EXIT
+  chmod 755 "$work"
+  chown _apt "$work" 2>/dev/null || true # apt downloads as its sandbox user
+  staging=$PREFIX.new
+  rm -rf "$staging"
+  mkdir -p "$staging" "$(dirname "$WRAPPER")"
+
+  local specs=()
+  for p in "${TRIXIE_PACKAGES[@]}"; do specs+=("$p/trixie"); done
+  (cd "$work" && apt-get download -qq "${specs[@]}") || die "apt-get download from trixie failed"
+  for deb in "$work"/*.deb; do dpkg -x "$deb" "$staging"; done
+  for deb in "$work"/*.deb; do dpkg-deb --showformat='${Package} ${Version}\n' -W "$deb"; done \
+    | sort >"$staging/PACKAGES"
+  rm -rf "$staging/usr/share/doc" "$staging/usr/share/man" "$staging/usr/share/locale"
+
+  local libdir=$staging/usr/lib/x86_64-linux-gnu ld
+  ld=$libdir/ld-linux-x86-64.so.2
+  [ -x "$ld" ] || die "trixie's libc6 gave no loader at $ld"
+  # Every library must come from the prefix: a bookworm library next to trixie's libc is a trap.
+  local outside
+  outside=$("$ld" --library-path "$libdir" --list "$staging/usr/sbin/criu" \
+    | awk '/=>/ && $3 !~ "^'"$staging"'/" {print $1}')
+  [ -z "$outside" ] || die "libraries resolved outside $PREFIX: $outside (add their trixie packages to TRIXIE_PACKAGES)"
+
+  rm -rf "$PREFIX.old"
+  [ ! -e "$PREFIX" ] || mv "$PREFIX" "$PREFIX.old"
+  mv "$staging" "$PREFIX"
+  rm -rf "$PREFIX.old"
+
+  local tmp_wrapper=$WRAPPER.tmp.$$
+  cat >"$tmp_wrapper" <<EOF
+#!/bin/sh
+# Installed by gpusnap scripts/install-criu.sh: Debian 13's CRIU, unpacked in $PREFIX, run
+# through that prefix's own dynamic loader and libraries (bookworm's glibc is too old for it).
+# --library-path applies to criu alone; the programs criu runs get the normal environment.
+P=$PREFIX
+L=\$P/usr/lib/x86_64-linux-gnu
+exec "\$L/ld-linux-x86-64.so.2" --library-path "\$L" --argv0 criu "\$P/usr/sbin/criu" "\$@"
+EOF
+  chmod 755 "$tmp_wrapper"
+  mv "$tmp_wrapper" "$WRAPPER"
+
+  criu_works "$WRAPPER" || die "$WRAPPER does not work: $("$WRAPPER" check 2>&1 | tail -n1)"
+  summary "$WRAPPER" "Debian 13 criu in $PREFIX"
+}
+
+case "$distro_id:$major:$codename" in
+  debian:12:* | debian:*:bookworm) install_private_trixie ;;
+  debian:*)
+    # 13 (trixie) and later, testing and sid: the distribution's criu is new enough.
+    install_from_apt
+    ;;
+  *)
+    log "not Debian ($PRETTY_NAME): trying the distribution's criu"
+    install_from_apt
+    ;;
+esac

@@ -1,0 +1,1 @@
+"""Tests of the node daemon: CRIU, /proc discovery, jobs, stamps."""

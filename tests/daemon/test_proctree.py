@@ -1,0 +1,137 @@
+"""/proc discovery on real processes: trees, files, launch spec, imported package versions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy
+import pytest
+
+from gpusnap.daemon import proctree
+from gpusnap.storage.errors import FailedPrecondition, InvalidArgument, NotFound
+from tests.support import workloads
+from tests.support.workloads import Workload
+
+
+@pytest.fixture
+def started() -> Iterator[list[Workload]]:
+    items: list[Workload] = []
+    yield items
+    for w in items:
+        w.kill()
+
+
+def test_tree_discovery_finds_parent_child_and_thread(
+    tmp_path: Path, started: list[Workload]
+) -> None:
+    w = workloads.start_tree(tmp_path, steps=100000)
+    started.append(w)
+    w.wait_steps(2)
+    pids = proctree.tree_pids(w.pid)
+    assert pids[0] == w.pid and len(pids) == 2
+    infos = proctree.process_tree(w.pid)
+    parent, child = infos
+    assert child.ppid == parent.pid == w.pid
+    assert parent.threads == 2 and child.threads == 1
+    assert parent.cmdline[0] == sys.executable and parent.cmdline[1] == "-c"
+    assert parent.cwd == str(tmp_path)
+    assert not parent.has_tty  # started in a new session
+    assert parent.uid == os.getuid() and parent.user
+
+
+def test_open_and_mapped_files_carry_size_and_mtime(
+    tmp_path: Path, started: list[Workload]
+) -> None:
+    w = workloads.start_counter(tmp_path, steps=0)
+    started.append(w)
+    w.wait_steps(2)
+    opened = {f.path: f for f in proctree.open_files(w.pid)}
+    out = str(tmp_path / "out")
+    assert out in opened and str(tmp_path / "stderr") in opened
+    assert "/dev/null" not in opened  # regular files only
+    st = os.stat(out)
+    assert opened[out].mtime_ns <= st.st_mtime_ns and opened[out].size <= st.st_size
+    mapped = {f.path: f for f in proctree.mapped_files(w.pid)}
+    exe = os.path.realpath(sys.executable)
+    assert exe in mapped
+    assert mapped[exe].size == os.stat(exe).st_size
+    assert mapped[exe].mtime_ns == os.stat(exe).st_mtime_ns
+    assert any("libc.so" in p for p in mapped)
+
+
+def test_launch_spec_records_command_cwd_env_and_user(
+    tmp_path: Path, started: list[Workload]
+) -> None:
+    os.environ["GPUSNAP_TEST_MARKER"] = "42"
+    try:
+        w = workloads.start_counter(tmp_path, steps=0)
+    finally:
+        del os.environ["GPUSNAP_TEST_MARKER"]
+    started.append(w)
+    w.wait_steps(1)
+    spec = proctree.launch_spec(w.pid)
+    assert spec["command"] == [sys.executable, "-c", *w.proc.args[2:]]  # type: ignore[index]
+    assert spec["cwd"] == str(tmp_path)
+    assert spec["env"]["GPUSNAP_TEST_MARKER"] == "42"
+    assert spec["user"] and spec["uid"] == os.getuid()
+
+
+def test_python_packages_reports_the_imported_numpy_version(
+    tmp_path: Path, started: list[Workload]
+) -> None:
+    w = workloads.start_importer(tmp_path, ["numpy"])
+    started.append(w)
+    assert proctree.python_packages(w.pid, imported_only=True) == {"numpy": numpy.__version__}
+    bare = workloads.start_importer(tmp_path / "bare", [])
+    started.append(bare)
+    assert proctree.python_packages(bare.pid, imported_only=True) == {}
+
+
+def test_find_pids_by_pid_file_match_and_errors(tmp_path: Path, started: list[Workload]) -> None:
+    w = workloads.start_tree(tmp_path, steps=100000)
+    started.append(w)
+    w.wait_steps(1)
+    pidfile = tmp_path / "w.pid"
+    pidfile.write_text(f"{w.pid}\n")
+    assert proctree.find_pids(pid_file=pidfile)[0] == w.pid
+    assert proctree.find_root_pid(pid=w.pid) == w.pid
+    # The child's cmdline matches too, but it belongs to the same tree: not ambiguous.
+    assert proctree.find_root_pid(match=f"{tmp_path}/out 100000") == w.pid
+    assert proctree.workload_name(w.pid).startswith("python")  # "python -c ...": no script
+
+    other = workloads.start_counter(tmp_path / "other", steps=0)
+    started.append(other)
+    other.wait_steps(1)
+    with pytest.raises(FailedPrecondition, match="processes match"):
+        proctree.find_root_pid(match=f"{tmp_path}/")
+    with pytest.raises(NotFound, match="no process matches"):
+        proctree.find_root_pid(match="no-such-program-xyzzy-[0-9]{40}")
+    with pytest.raises(InvalidArgument):
+        proctree.find_pids(pid=w.pid, match="x")
+    with pytest.raises(NotFound, match="does not exist"):
+        proctree.find_pids(pid_file=tmp_path / "nope.pid")
+
+
+def test_a_gone_process_is_not_found(tmp_path: Path) -> None:
+    w = workloads.start_counter(tmp_path, steps=1, interval=0)
+    w.wait_done()
+    assert not proctree.exists(w.pid)
+    for probe in (proctree.tree_pids, proctree.process_info, proctree.launch_spec):
+        with pytest.raises(NotFound, match=f"^no such process: {w.pid}$"):
+            probe(w.pid)
+
+
+def test_workload_name_of_a_script(tmp_path: Path, started: list[Workload]) -> None:
+    script = tmp_path / "tinylm.py"
+    script.write_text("import time\nopen('ready', 'w').close()\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdin=subprocess.DEVNULL)
+    try:
+        workloads._poll((tmp_path / "ready").exists, 60, "script")
+        assert proctree.workload_name(proc.pid) == "tinylm"
+    finally:
+        proc.kill()
+        proc.wait()
