@@ -1,0 +1,136 @@
+"""Chunk naming and the chunk object format: header, optional zstd, optional AES-256-GCM.
+
+A chunk object is::
+
+    magic "GSNC" | version u8 (=1) | flags u8 | reserved u16 (=0) | raw length u64 LE   (16 bytes)
+    [nonce, 12 bytes]                                     when flags has ENCRYPTED
+    body: zstd frame (COMPRESSED) or the raw bytes; with ENCRYPTED, AES-256-GCM of that
+          with the 16-byte header and the chunk id as associated data (tag at the end)
+
+A chunk's id is the BLAKE3-256 of its uncompressed content, hex; with an encryption key the
+hash is keyed (key derived from the encryption key) so that names reveal nothing about the
+content. Every decode re-hashes the content and refuses a mismatch.
+
+python-zstandard (de)compressors are not thread-safe: each thread gets its own.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+import threading
+from dataclasses import dataclass
+
+import zstandard
+from blake3 import blake3
+from cryptography.exceptions import InvalidTag
+
+from gpusnap.storage.errors import Corrupt, FailedPrecondition
+from gpusnap.storage.keys import NONCE_BYTES, EncryptionKeys
+
+MAGIC = b"GSNC"
+VERSION = 1
+FLAG_COMPRESSED = 0x01
+FLAG_ENCRYPTED = 0x02
+_KNOWN_FLAGS = FLAG_COMPRESSED | FLAG_ENCRYPTED
+_HEADER = struct.Struct("<4sBBHQ")
+HEADER_SIZE = _HEADER.size
+ZSTD_LEVEL = 1
+# Compression must save at least this fraction of the bytes, or the chunk is stored raw:
+# decompressing a frame that saves almost nothing costs restore time for no wire time.
+MIN_SAVING = 0.03
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    data: bytes
+    compressed: bool
+
+
+class ChunkCodec:
+    """Names, encodes and decodes chunks for one store configuration."""
+
+    def __init__(self, encryption: EncryptionKeys | None) -> None:
+        self._encryption = encryption
+        self._local = threading.local()
+
+    @property
+    def encrypted(self) -> bool:
+        return self._encryption is not None
+
+    def chunk_id(self, data: memoryview | bytes) -> str:
+        if self._encryption is not None:
+            return str(blake3(data, key=self._encryption.chunk_id_key).hexdigest())
+        return str(blake3(data).hexdigest())
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        comp: zstandard.ZstdCompressor | None = getattr(self._local, "compressor", None)
+        if comp is None:
+            comp = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+            self._local.compressor = comp
+        return comp
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        dec: zstandard.ZstdDecompressor | None = getattr(self._local, "decompressor", None)
+        if dec is None:
+            dec = zstandard.ZstdDecompressor()
+            self._local.decompressor = dec
+        return dec
+
+    def encode(self, chunk_id: str, data: memoryview | bytes, *, compress: bool) -> EncodedChunk:
+        """The object bytes for one chunk."""
+        raw_len = len(data)
+        flags = 0
+        body: bytes | memoryview = data
+        if compress and raw_len > 0:
+            packed = self._compressor().compress(data)
+            if len(packed) <= raw_len * (1.0 - MIN_SAVING):
+                body = packed
+                flags |= FLAG_COMPRESSED
+        if self._encryption is not None:
+            flags |= FLAG_ENCRYPTED
+            header = _HEADER.pack(MAGIC, VERSION, flags, 0, raw_len)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            sealed = self._encryption.chunk_aead.encrypt(nonce, body, _aad(header, chunk_id))
+            return EncodedChunk(b"".join((header, nonce, sealed)), bool(flags & FLAG_COMPRESSED))
+        header = _HEADER.pack(MAGIC, VERSION, flags, 0, raw_len)
+        return EncodedChunk(b"".join((header, body)), bool(flags & FLAG_COMPRESSED))
+
+    def decode(self, chunk_id: str, obj: bytes) -> bytes | memoryview:
+        """The verified content of a chunk object; ``Corrupt`` naming the chunk otherwise.
+
+        A raw chunk comes back as a view into ``obj`` (no copy).
+        """
+        if len(obj) < HEADER_SIZE:
+            raise Corrupt(f"chunk {chunk_id} is truncated ({len(obj)} bytes)")
+        magic, version, flags, _reserved, raw_len = _HEADER.unpack_from(obj)
+        if magic != MAGIC or version != VERSION or flags & ~_KNOWN_FLAGS:
+            raise Corrupt(f"chunk {chunk_id} has an unknown header")
+        view = memoryview(obj)[HEADER_SIZE:]
+        body: bytes | memoryview = view
+        if flags & FLAG_ENCRYPTED:
+            if self._encryption is None:
+                raise FailedPrecondition(
+                    f"chunk {chunk_id} is encrypted; an encryption key file is needed"
+                )
+            try:
+                body = self._encryption.chunk_aead.decrypt(
+                    bytes(view[:NONCE_BYTES]), view[NONCE_BYTES:], _aad(obj[:HEADER_SIZE], chunk_id)
+                )
+            except (InvalidTag, ValueError) as exc:
+                raise Corrupt(f"chunk {chunk_id} failed authentication (altered?)") from exc
+        content: bytes | memoryview = body
+        if flags & FLAG_COMPRESSED:
+            try:
+                content = self._decompressor().decompress(body, max_output_size=raw_len)
+            except zstandard.ZstdError as exc:
+                raise Corrupt(f"chunk {chunk_id} does not decompress") from exc
+        if len(content) != raw_len:
+            raise Corrupt(f"chunk {chunk_id} has {len(content)} bytes, header says {raw_len}")
+        if self.chunk_id(content) != chunk_id:
+            raise Corrupt(f"chunk {chunk_id} does not match its hash")
+        return content
+
+
+def _aad(header: bytes, chunk_id: str) -> bytes:
+    return header + chunk_id.encode()

@@ -1,0 +1,244 @@
+"""Key files: the Ed25519 signing key that authenticates manifests, and the encryption key.
+
+Two files, two jobs:
+
+- the **signing key** is an Ed25519 key in PEM. A node that pushes needs the private key; a
+  node that only restores may hold just the public key (PEM ``PUBLIC KEY``) and can then read
+  and verify but not push;
+- the **encryption key** is 32 random bytes. Everything secret is derived from it with
+  BLAKE3's key-derivation mode, one context string per use, so the chunk-naming key, the
+  chunk cipher key and the manifest cipher key are independent.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blake3 import blake3
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from gpusnap.storage.errors import Corrupt, FailedPrecondition, InvalidArgument, NotFound
+
+log = logging.getLogger(__name__)
+
+ENCRYPTION_KEY_BYTES = 32
+NONCE_BYTES = 12
+_CTX_CHUNK_ID = "gpusnap 2026-11 chunk id"
+_CTX_CHUNK_DATA = "gpusnap 2026-11 chunk data"
+_CTX_RECORD_DATA = "gpusnap 2026-11 record data"
+
+
+def _write_secret(path: Path, data: bytes) -> None:
+    """Create ``path`` with mode 0600 from the start (never world-readable, not even briefly)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError as exc:
+        raise InvalidArgument(f"key file {path} already exists; refusing to overwrite") from exc
+    except OSError as exc:
+        raise InvalidArgument(f"cannot create key file {path}: {exc.strerror}") from exc
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_key_file(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise NotFound(f"{what} file {path} does not exist") from exc
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} file {path}: {exc.strerror}") from exc
+
+
+def generate_signing_key(path: Path) -> None:
+    """Write a new Ed25519 private key to ``path`` (PEM, PKCS#8, mode 0600)."""
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    _write_secret(path, pem)
+
+
+def generate_encryption_key(path: Path) -> None:
+    """Write 32 random bytes to ``path`` (mode 0600)."""
+    _write_secret(path, secrets.token_bytes(ENCRYPTION_KEY_BYTES))
+
+
+def export_public_key(private_key_file: Path, path: Path) -> None:
+    """Write the public half of a signing key, for nodes that only verify."""
+    signer = load_signing_key(private_key_file)
+    pem = signer.public_key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    path.write_bytes(pem)
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """An Ed25519 key; ``private_key`` is ``None`` on verify-only nodes."""
+
+    public_key: Ed25519PublicKey
+    private_key: Ed25519PrivateKey | None
+
+    @property
+    def key_id(self) -> str:
+        raw = self.public_key.public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        return blake3(raw).hexdigest()[:16]
+
+    def sign(self, message: bytes) -> bytes:
+        if self.private_key is None:
+            raise FailedPrecondition(
+                "signing needs the private key; the key file holds only a public key"
+            )
+        return self.private_key.sign(message)
+
+    def check(self, message: bytes, signature: bytes) -> bool:
+        try:
+            self.public_key.verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+
+def load_signing_key(path: Path) -> SigningKey:
+    """Read a PEM Ed25519 private key, or a PEM public key (verify-only)."""
+    data = _read_key_file(path, "signing key")
+    if b"PRIVATE KEY" in data:
+        try:
+            private = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(f"signing key file {path} is not a readable PEM key") from exc
+        if not isinstance(private, Ed25519PrivateKey):
+            raise InvalidArgument(f"signing key file {path} is not an Ed25519 key")
+        return SigningKey(private.public_key(), private)
+    try:
+        public = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(f"signing key file {path} is not a readable PEM key") from exc
+    if not isinstance(public, Ed25519PublicKey):
+        raise InvalidArgument(f"signing key file {path} is not an Ed25519 key")
+    return SigningKey(public, None)
+
+
+class EncryptionKeys:
+    """The keys derived from one encryption key file."""
+
+    def __init__(self, master: bytes) -> None:
+        if len(master) != ENCRYPTION_KEY_BYTES:
+            raise InvalidArgument(f"an encryption key is {ENCRYPTION_KEY_BYTES} bytes")
+        self.chunk_id_key = _derive(master, _CTX_CHUNK_ID)
+        self.chunk_aead = AESGCM(_derive(master, _CTX_CHUNK_DATA))
+        self.record_aead = AESGCM(_derive(master, _CTX_RECORD_DATA))
+        self.key_id = blake3(_derive(master, "gpusnap 2026-11 key id")).hexdigest()[:16]
+
+
+def _derive(master: bytes, context: str) -> bytes:
+    return bytes(blake3(master, derive_key_context=context).digest())
+
+
+def load_encryption_key(path: Path) -> EncryptionKeys:
+    data = _read_key_file(path, "encryption key")
+    if len(data) != ENCRYPTION_KEY_BYTES:
+        raise InvalidArgument(
+            f"encryption key file {path} must hold exactly {ENCRYPTION_KEY_BYTES} bytes"
+        )
+    return EncryptionKeys(data)
+
+
+# --- signed (and optionally encrypted) records ------------------------------------------------
+
+
+def seal(
+    kind: str,
+    payload: bytes,
+    *,
+    signer: SigningKey | None,
+    encryption: EncryptionKeys | None,
+) -> bytes:
+    """Wrap ``payload`` in a JSON envelope: encrypted when a key is given, then signed.
+
+    The signature covers the format name, the encryption marker and the stored payload, so
+    an envelope of one kind can never pass as another, and nothing in it can be swapped.
+    """
+    body = payload
+    enc = "none"
+    if encryption is not None:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        enc = "aes-256-gcm"
+        body = nonce + encryption.record_aead.encrypt(nonce, payload, kind.encode())
+    envelope: dict[str, Any] = {"format": kind, "encryption": enc}
+    envelope["payload"] = base64.b64encode(body).decode()
+    if signer is not None:
+        envelope["signature"] = base64.b64encode(signer.sign(_signed_message(kind, enc, body)))
+        envelope["signature"] = envelope["signature"].decode()
+        envelope["key_id"] = signer.key_id
+    else:
+        envelope["signature"] = None
+        envelope["key_id"] = None
+    return json.dumps(envelope, sort_keys=True).encode()
+
+
+def _signed_message(kind: str, enc: str, body: bytes) -> bytes:
+    return kind.encode() + b"\0" + enc.encode() + b"\0" + body
+
+
+def unseal(
+    blob: bytes,
+    kind: str,
+    *,
+    signer: SigningKey | None,
+    encryption: EncryptionKeys | None,
+    verify: bool,
+    what: str,
+) -> bytes:
+    """Check and open an envelope made by ``seal``; ``Corrupt`` naming ``what`` if it is bad."""
+    try:
+        envelope = json.loads(blob)
+        if not isinstance(envelope, dict) or envelope.get("format") != kind:
+            raise Corrupt(f"{what} is not a {kind} envelope")
+        enc = envelope["encryption"]
+        body = base64.b64decode(envelope["payload"], validate=True)
+        signature_b64 = envelope.get("signature")
+        key_id = envelope.get("key_id")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Corrupt(f"{what} is not a readable {kind} envelope") from exc
+    if verify:
+        if signer is None:
+            raise FailedPrecondition(
+                f"cannot verify {what}: no signing key file given (or turn verification off)"
+            )
+        if not signature_b64:
+            raise Corrupt(f"{what} is not signed")
+        if key_id != signer.key_id:
+            raise Corrupt(f"{what} is signed by key {key_id}, not by this store's key")
+        try:
+            signature = base64.b64decode(signature_b64, validate=True)
+        except (ValueError, TypeError) as exc:
+            raise Corrupt(f"{what} has an unreadable signature") from exc
+        if not signer.check(_signed_message(kind, str(enc), body), signature):
+            raise Corrupt(f"{what} failed its signature check (altered or forged)")
+    if enc == "none":
+        return body
+    if enc != "aes-256-gcm":
+        raise Corrupt(f"{what} uses an unknown encryption {enc!r}")
+    if encryption is None:
+        raise FailedPrecondition(f"{what} is encrypted; an encryption key file is needed")
+    try:
+        return encryption.record_aead.decrypt(body[:NONCE_BYTES], body[NONCE_BYTES:], kind.encode())
+    except (InvalidTag, ValueError) as exc:
+        raise Corrupt(f"{what} does not decrypt with this encryption key") from exc

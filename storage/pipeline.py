@@ -1,0 +1,412 @@
+"""The data paths: push (cut, hash, compress, upload) and pull (fetch, verify, write).
+
+Both run chunks through a thread pool; zstandard, blake3, AES-GCM and file/socket I/O release
+the GIL, so the stages overlap across cores. Memory is bounded by a byte budget on the chunks
+in flight (``workers x 2 x max chunk`` by default), whatever the size of the input. The calling
+thread cuts files and reports progress; workers never call back into user code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusnap.storage.backend import Backend
+from gpusnap.storage.chunker import Chunker
+from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.errors import (
+    AlreadyExists,
+    Corrupt,
+    GpusnapError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+)
+from gpusnap.storage.index import ChunkIndex
+from gpusnap.storage.manifest import ChunkRef, FileEntry, Manifest
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+CHUNK_PREFIX = "chunks/"
+_TMP_PREFIX = ".gpusnap-pull-"
+
+
+def chunk_key(chunk_id: str) -> str:
+    return f"{CHUNK_PREFIX}{chunk_id[:2]}/{chunk_id}"
+
+
+def chunk_id_of_key(key: str) -> str | None:
+    name = key.rpartition("/")[2]
+    return name if key == chunk_key(name) and len(name) == 64 else None
+
+
+class ByteBudget:
+    """Blocks the producer while more than ``limit`` bytes are in flight (one item always fits)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, abort: threading.Event) -> None:
+        with self._cond:
+            while self._used and self._used + n > self._limit and not abort.is_set():
+                self._cond.wait(0.5)
+            self._used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
+
+
+@dataclass
+class SourceFile:
+    path: str  # relative, POSIX
+    abs_path: Path
+    size: int
+    mode: int
+
+
+@dataclass
+class PushStats:
+    bytes_total: int = 0
+    bytes_uploaded: int = 0
+    chunks_total: int = 0
+    chunks_uploaded: int = 0
+    bytes_done: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _translate(exc: BaseException, what: str) -> GpusnapError:
+    if isinstance(exc, GpusnapError):
+        return exc
+    if isinstance(exc, OSError):
+        return InvalidArgument(f"{what}: {exc.strerror or exc}")
+    return Internal(f"{what}: {type(exc).__name__}: {exc}")
+
+
+class _Run:
+    """Shared state of one pipeline run: first error wins, everyone stops."""
+
+    def __init__(self) -> None:
+        self.abort = threading.Event()
+        self.error: GpusnapError | None = None
+        self._lock = threading.Lock()
+
+    def fail(self, err: GpusnapError) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = err
+        self.abort.set()
+
+    def raise_if_aborted(self) -> None:
+        if self.abort.is_set():
+            raise self.error or Internal("aborted")
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def push_files(
+    files: list[SourceFile],
+    *,
+    backend: Backend,
+    codec: ChunkCodec,
+    index: ChunkIndex,
+    chunker: Chunker,
+    executor: ThreadPoolExecutor,
+    io_executor: ThreadPoolExecutor,
+    budget_bytes: int,
+    compress: bool,
+    progress: ProgressFn | None,
+) -> tuple[list[FileEntry], PushStats]:
+    """Chunk, dedup and upload ``files``; return their entries once every put has returned."""
+    stats = PushStats(bytes_total=sum(f.size for f in files))
+    budget = ByteBudget(budget_bytes)
+    run = _Run()
+    seen: set[str] = set()  # dedup within this push, including chunks still uploading
+    seen_lock = threading.Lock()
+
+    io_futures: list[Future[None]] = []
+    io_lock = threading.Lock()
+
+    def put(chunk_id: str, data: bytes, length: int) -> None:
+        try:
+            run.raise_if_aborted()
+            backend.put(chunk_key(chunk_id), data)
+            index.add(chunk_id, len(data))
+            with stats.lock:
+                stats.bytes_uploaded += len(data)
+                stats.chunks_uploaded += 1
+                stats.bytes_done += length
+        except BaseException as exc:
+            run.fail(_translate(exc, f"uploading chunk {chunk_id}"))
+            raise
+        finally:
+            budget.release(length)
+
+    def task(view: memoryview, length: int) -> ChunkRef:
+        # CPU stage (hash, compress, encrypt) here; the put goes to the I/O pool so that
+        # slow storage never idles a core.
+        handed_off = False
+        try:
+            run.raise_if_aborted()
+            chunk_id = codec.chunk_id(view)
+            with seen_lock:
+                fresh = chunk_id not in seen and not index.contains(chunk_id)
+                seen.add(chunk_id)
+            if fresh:
+                obj = codec.encode(chunk_id, view, compress=compress)
+                with io_lock:
+                    io_futures.append(io_executor.submit(put, chunk_id, obj.data, length))
+                handed_off = True
+            else:
+                with stats.lock:
+                    stats.bytes_done += length
+            return ChunkRef(chunk_id, length)
+        except BaseException as exc:
+            run.fail(_translate(exc, "preparing a chunk"))
+            raise
+        finally:
+            view.release()
+            if not handed_off:
+                budget.release(length)
+
+    def report() -> None:
+        if progress is not None:
+            progress(stats.bytes_done, stats.bytes_total)
+
+    pending: list[tuple[SourceFile, list[Future[ChunkRef]]]] = []
+    try:
+        for src in files:
+            futures: list[Future[ChunkRef]] = []
+            pending.append((src, futures))
+            if src.size == 0:
+                continue
+            try:
+                view = chunker.open_view(src.abs_path)
+            except OSError as exc:
+                raise InvalidArgument(f"cannot read {src.abs_path}: {exc.strerror}") from exc
+            try:
+                if len(view) != src.size:
+                    raise InvalidArgument(f"{src.abs_path} changed size while being pushed")
+                for offset, length in chunker.cut(view):
+                    budget.acquire(length, run.abort)
+                    run.check()
+                    futures.append(executor.submit(task, view[offset : offset + length], length))
+                    report()
+            finally:
+                view.release()  # the map goes away when the last slice is released
+        for _src, futures in pending:
+            for fut in futures:
+                try:
+                    fut.result()
+                except BaseException:  # noqa: S112 - the first error is in run.error
+                    continue
+                report()
+        # Every CPU task has run, so io_futures is complete: wait for every put to return.
+        for io in io_futures:
+            try:
+                io.result()
+            except BaseException:  # noqa: S112 - the first error is in run.error
+                continue
+            report()
+        run.check()
+    except BaseException:
+        run.abort.set()
+        all_futures: list[Future[Any]] = [f for _src, futs in pending for f in futs]
+        for fut in all_futures:
+            fut.cancel()
+        for fut in all_futures:
+            if not fut.cancelled():
+                fut.exception()
+        with io_lock:
+            started_io = list(io_futures)
+        for io in started_io:
+            io.cancel()
+            if not io.cancelled():
+                io.exception()
+        if run.error is not None:
+            raise run.error from None
+        raise
+    entries = [
+        FileEntry(src.path, src.size, src.mode, [fut.result() for fut in futures])
+        for src, futures in pending
+    ]
+    stats.chunks_total = sum(len(e.chunks) for e in entries)
+    return entries, stats
+
+
+@dataclass
+class PullStats:
+    bytes_total: int = 0
+    bytes_fetched: int = 0
+    bytes_done: int = 0
+    chunks_total: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Layout:
+    """What a pull creates in ``dest``, so that a failure can remove exactly that."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
+        self.created_dirs: list[Path] = []
+        self.temps: dict[str, tuple[Path, int]] = {}  # manifest path -> (temp path, fd)
+        self.renamed: list[Path] = []
+
+    def undo(self) -> None:
+        for tmp, fd in self.temps.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+        for final in self.renamed:
+            final.unlink(missing_ok=True)
+        for directory in reversed(self.created_dirs):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+
+def _check_targets(manifest: Manifest, dest: Path) -> dict[str, Path]:
+    """Map every manifest path to its target, refusing any that could leave ``dest``."""
+    real_dest = Path(os.path.realpath(dest))
+    targets: dict[str, Path] = {}
+    for entry in manifest.files:
+        target = dest.joinpath(*entry.path.split("/"))
+        probe = dest
+        for part in entry.path.split("/")[:-1]:
+            probe = probe / part
+            if probe.is_symlink():
+                real = Path(os.path.realpath(probe))
+                if real != real_dest and real_dest not in real.parents:
+                    raise Corrupt(f"{probe} is a symlink out of the destination")
+            elif probe.exists() and not probe.is_dir():
+                raise AlreadyExists(f"{probe} exists and is not a directory")
+        if target.exists() or target.is_symlink():
+            raise AlreadyExists(f"{target} already exists; pull into an empty destination")
+        targets[entry.path] = target
+    return targets
+
+
+def _check_inside(directory: Path, dest: Path, path: str) -> None:
+    real = Path(os.path.realpath(directory))
+    real_dest = Path(os.path.realpath(dest))
+    if real != real_dest and real_dest not in real.parents:
+        raise Corrupt(f"{path!r} would land outside the destination")
+
+
+def _check_size(chunk_id: str, content: bytes | memoryview, size: int) -> None:
+    if len(content) != size:
+        raise Corrupt(f"chunk {chunk_id} has {len(content)} bytes, the manifest says {size}")
+
+
+def _make_dirs(path: Path, layout: _Layout) -> None:
+    missing: list[Path] = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o755)
+        layout.created_dirs.append(directory)
+
+
+def pull_files(
+    manifest: Manifest,
+    dest: Path,
+    *,
+    backend: Backend,
+    codec: ChunkCodec,
+    executor: ThreadPoolExecutor,
+    budget_bytes: int,
+    progress: ProgressFn | None,
+) -> PullStats:
+    """Write every file of ``manifest`` under ``dest``; on failure, remove what was written."""
+    stats = PullStats(bytes_total=manifest.bytes_total)
+    stats.chunks_total = sum(len(f.chunks) for f in manifest.files)
+    targets = _check_targets(manifest, dest)  # before anything is written
+    layout = _Layout(dest)
+    run = _Run()
+    budget = ByteBudget(budget_bytes)
+    token = secrets.token_hex(4)
+    try:
+        _make_dirs(dest, layout)
+        # Where each distinct chunk goes: one fetch serves every place it appears.
+        places: dict[str, list[tuple[int, int]]] = {}
+        sizes: dict[str, int] = {}
+        for entry in manifest.files:
+            target = targets[entry.path]
+            _make_dirs(target.parent, layout)
+            _check_inside(target.parent, dest, entry.path)
+            tmp = target.with_name(f"{_TMP_PREFIX}{token}-{target.name}"[:255])
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600)
+            layout.temps[entry.path] = (tmp, fd)
+            os.ftruncate(fd, entry.size)
+            offset = 0
+            for ref in entry.chunks:
+                places.setdefault(ref.id, []).append((fd, offset))
+                sizes[ref.id] = ref.size
+                offset += ref.size
+
+        def task(chunk_id: str) -> None:
+            size = sizes[chunk_id]
+            try:
+                if run.abort.is_set():
+                    return
+                obj = backend.get(chunk_key(chunk_id))
+                content = codec.decode(chunk_id, obj)  # verified before any byte is used
+                _check_size(chunk_id, content, size)
+                for fd, offset in places[chunk_id]:
+                    os.pwrite(fd, content, offset)
+                with stats.lock:
+                    stats.bytes_fetched += len(obj)
+                    stats.bytes_done += size * len(places[chunk_id])
+            except NotFound as exc:
+                run.fail(Corrupt(f"chunk {chunk_id} is missing from the store ({exc})"))
+            except BaseException as exc:
+                run.fail(_translate(exc, f"restoring chunk {chunk_id}"))
+            finally:
+                budget.release(size)
+
+        futures: list[Future[None]] = []
+        for chunk_id in places:
+            budget.acquire(sizes[chunk_id], run.abort)
+            if run.abort.is_set():
+                break
+            futures.append(executor.submit(task, chunk_id))
+            if progress is not None:
+                progress(stats.bytes_done, stats.bytes_total)
+        for fut in futures:
+            fut.result()
+            if progress is not None:
+                progress(stats.bytes_done, stats.bytes_total)
+        run.check()
+        by_path = {entry.path: entry for entry in manifest.files}
+        for path, (tmp, fd) in list(layout.temps.items()):
+            os.fchmod(fd, by_path[path].mode & 0o777)  # never setuid/setgid/sticky
+            os.close(fd)
+            del layout.temps[path]
+            layout.temps[path] = (tmp, -1)
+        for path, (tmp, _fd) in list(layout.temps.items()):
+            os.rename(tmp, targets[path])
+            del layout.temps[path]
+            layout.renamed.append(targets[path])
+    except BaseException as exc:
+        run.abort.set()
+        layout.undo()
+        if isinstance(exc, OSError):
+            raise InvalidArgument(f"cannot write into {dest}: {exc.strerror}") from exc
+        raise
+    return stats

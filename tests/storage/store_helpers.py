@@ -1,0 +1,99 @@
+"""Helpers shared by the checkpoint-store tests: keys, source trees, stores on a directory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gpusnap.storage import BackendOptions, CheckpointStore, generate_signing_key, open_store
+from gpusnap.storage.keys import generate_encryption_key
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Keys:
+    signing: Path
+    encryption: Path
+
+
+def make_keys(directory: Path) -> Keys:
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = Keys(directory / "sign.pem", directory / "enc.key")
+    generate_signing_key(keys.signing)
+    generate_encryption_key(keys.encryption)
+    return keys
+
+
+def random_bytes(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def bf16_like(n: int, seed: int) -> bytes:
+    values = np.random.default_rng(seed).standard_normal(n // 2, dtype=np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def make_tree(root: Path, seed: int = 0) -> Path:
+    """A small checkpoint-like tree: nested dirs, an empty file, a sparse file, odd modes."""
+    root.mkdir(parents=True)
+    (root / "pages").mkdir()
+    (root / "pages" / "deep" / "er").mkdir(parents=True)
+    (root / "empty.img").write_bytes(b"")
+    (root / "core.img").write_bytes(b"core\n" * 100)
+    (root / "pages" / "pages-1.img").write_bytes(random_bytes(6 * MiB, seed))
+    (root / "pages" / "weights.img").write_bytes(bf16_like(5 * MiB, seed + 1))
+    (root / "pages" / "deep" / "er" / "tiny").write_bytes(b"x")
+    sparse = root / "sparse.img"
+    with sparse.open("wb") as fh:
+        fh.truncate(12 * MiB)
+        fh.seek(3 * MiB)
+        fh.write(random_bytes(64 * 1024, seed + 2))
+        fh.seek(11 * MiB)
+        fh.write(b"tail")
+    os.chmod(root / "core.img", 0o600)
+    os.chmod(root / "pages" / "deep" / "er" / "tiny", 0o4755)  # setuid must not survive
+    return root
+
+
+def tree_contents(root: Path) -> dict[str, tuple[bytes, int]]:
+    out: dict[str, tuple[bytes, int]] = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            out[path.relative_to(root).as_posix()] = (
+                path.read_bytes(),
+                path.stat().st_mode & 0o7777,
+            )
+    return out
+
+
+def all_files(root: Path) -> list[Path]:
+    if not root.exists():
+        return []
+    return sorted(p for p in root.rglob("*") if p.is_symlink() or not p.is_dir())
+
+
+def file_store(
+    tmp_path: Path,
+    keys: Keys | None,
+    *,
+    name: str = "store",
+    cache: str = "cache",
+    encrypted: bool = False,
+    verify: bool = True,
+    workers: int | None = 3,
+    url: str | None = None,
+    options: BackendOptions | None = None,
+) -> CheckpointStore:
+    return open_store(
+        url or f"file://{tmp_path / name}",
+        key_file=keys.signing if keys else None,
+        encryption_key_file=keys.encryption if (keys and encrypted) else None,
+        verify=verify,
+        cache_dir=tmp_path / cache,
+        workers=workers,
+        options=options,
+    )
