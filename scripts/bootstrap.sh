@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 need_apt=()
-for bin in zstd systemd-analyze ip; do
+for bin in zstd systemd-analyze ip dbus-daemon; do
   command -v "$bin" >/dev/null 2>&1 || need_apt+=("$bin")
 done
 if ((${#need_apt[@]})); then
@@ -17,6 +17,7 @@ if ((${#need_apt[@]})); then
       zstd) pkgs+=(zstd) ;;
       systemd-analyze) pkgs+=(systemd) ;;
       ip) pkgs+=(iproute2) ;;
+      dbus-daemon) pkgs+=(dbus) ;;
     esac
   done
   echo "bootstrap: installing ${pkgs[*]}" >&2

@@ -68,6 +68,12 @@ class Unsupported(GpusnapError):
     kind = "unsupported"
 
 
+class Unreachable(Unavailable):
+    """The daemon itself cannot be reached (no socket, refused, not ours to open)."""
+
+    kind = "unreachable"
+
+
 class DeadlineExceeded(GpusnapError):
     kind = "deadline_exceeded"
     retryable = True
@@ -94,6 +100,7 @@ ERROR_TABLE: dict[str, ErrorMapping] = {
     "failed_precondition": ErrorMapping("FAILED_PRECONDITION", EXIT_FAILURE),
     "incompatible": ErrorMapping("FAILED_PRECONDITION", EXIT_FAILURE),
     "unavailable": ErrorMapping("UNAVAILABLE", EXIT_FAILURE),
+    "unreachable": ErrorMapping("UNAVAILABLE", EXIT_DAEMON_UNREACHABLE),
     "corrupt": ErrorMapping("DATA_LOSS", EXIT_INTEGRITY),
     "unsupported": ErrorMapping("UNIMPLEMENTED", EXIT_FAILURE),
     "deadline_exceeded": ErrorMapping("DEADLINE_EXCEEDED", EXIT_FAILURE),
@@ -110,6 +117,7 @@ KINDS: dict[str, type[GpusnapError]] = {
         FailedPrecondition,
         Incompatible,
         Unavailable,
+        Unreachable,
         Corrupt,
         Unsupported,
         DeadlineExceeded,

@@ -1,0 +1,351 @@
+"""Store benchmark: gpusnap's push/pull against the bare tools, measured in the same run.
+
+    .venv/bin/python bench/store_bench.py [--size-gib 2] [--s3-size-mib 256] [--json-out FILE]
+
+Builds a synthetic GPU-like image (bench/_synthetic.py) in a scratch directory and measures:
+
+a) push to a fresh file:// store vs ``zstd -T0 -1`` over the same bytes (compression stage
+   alone, output discarded) and vs ``cp`` + ``sync`` of the same bytes (disk stage alone);
+b) an incremental push after 5% of the bytes change in a few contiguous regions and a few
+   pages are inserted near the start of one file: bytes uploaded and time vs the first push;
+c) pull vs ``zstd -d`` of the same data (output discarded, and to a file);
+d) against a moto S3 server on loopback: push vs a plain boto3 ``upload_file`` (default
+   TransferConfig) of the same bytes to the same server, on a smaller image.
+
+Reads are warm (the image was just written; dropping the page cache is not reliable here),
+for gpusnap and the baselines alike. Prints a table, then one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.support (MotoServer) and bench._synthetic
+
+import boto3  # noqa: E402
+
+from bench._synthetic import GiB, ImageLayout, MiB, build_image, mutate_image  # noqa: E402
+from gpusnap.storage import generate_signing_key, open_store  # noqa: E402
+from gpusnap.storage.backend import BackendOptions  # noqa: E402
+from tests.support.moto_server import MotoServer  # noqa: E402
+
+TARGETS = {
+    "push_vs_compression": 0.8,  # push MB/s >= 0.8x zstd -T0 -1 alone
+    "incremental_bytes": 0.10,  # incremental uploads <= 10% of the first push's bytes
+    "incremental_time": 0.30,  # ... in <= 30% of its time
+    "pull_vs_decompression": 0.8,  # pull MB/s >= 0.8x zstd -d alone
+}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def sh(cmd: str) -> float:
+    """Run a shell pipeline; its wall time in seconds."""
+    t0 = time.perf_counter()
+    subprocess.run(["bash", "-o", "pipefail", "-c", cmd], check=True)
+    return time.perf_counter() - t0
+
+
+def files_of(root: Path, layout: ImageLayout) -> list[Path]:
+    return [root / rel for rel in layout.files]
+
+
+def quoted(paths: list[Path]) -> str:
+    return " ".join(f"'{p}'" for p in paths)
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6 if seconds > 0 else float("inf")
+
+
+def machine() -> dict[str, Any]:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    zstd_version = subprocess.run(
+        ["zstd", "--version"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gib": round(mem / GiB, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "zstd": zstd_version,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def bench_file_store(work: Path, size: int, seed: int) -> dict[str, Any]:
+    image = work / "image"
+    t_build, layout = timed(lambda: build_image(image, size, seed=seed))
+    total = layout.total
+    print(f"built {total / GiB:.2f} GiB image in {t_build:.1f} s", file=sys.stderr)
+    files = files_of(image, layout)
+    key = work / "signing.key"
+    generate_signing_key(key)
+    res: dict[str, Any] = {"bytes": total, "files": {k: v for k, v in layout.files.items()}}
+
+    # Baselines first on the same warm bytes: compression alone, then disk alone.
+    res["zstd_compress_s"] = sh(f"zstd -q -T0 -1 -c {quoted(files)} > /dev/null")
+    zst = work / "all.zst"
+    res["zstd_compress_to_file_s"] = sh(f"zstd -q -T0 -1 -c {quoted(files)} > '{zst}' && sync")
+    res["zstd_ratio"] = total / zst.stat().st_size
+    copy = work / "copy"
+    res["copy_s"] = sh(f"cp -r '{image}' '{copy}' && sync")
+    shutil.rmtree(copy)
+
+    # (a) first push to a fresh store.
+    store_dir = work / "store"
+    store = open_store(f"file://{store_dir}", key_file=key, cache_dir=work / "cache")
+    try:
+        res["push_s"], first = timed(lambda: store.push(image, workload="bench"))
+        res["push"] = first.as_dict()
+        print(f"push: {res['push_s']:.1f} s", file=sys.stderr)
+
+        # (b) incremental push after a small change.
+        change = mutate_image(image, layout)
+        res["change"] = {"rewritten": change.bytes_rewritten, "inserted": change.bytes_inserted}
+        res["incremental_s"], second = timed(
+            lambda: store.push(image, workload="bench", parent=first.checkpoint_id)
+        )
+        res["incremental"] = second.as_dict()
+        print(f"incremental push: {res['incremental_s']:.1f} s", file=sys.stderr)
+
+        # (c) pull of the second checkpoint (the image as it is now) vs zstd -d.
+        pulled = work / "pulled"
+        res["pull_s"], pull = timed(lambda: store.pull(second.checkpoint_id, pulled))
+        res["pull"] = pull.as_dict()
+        print(f"pull: {res['pull_s']:.1f} s", file=sys.stderr)
+        _same, mismatch, errors = filecmp.cmpfiles(image, pulled, list(layout.files), shallow=False)
+        res["pull_identical"] = not mismatch and not errors
+    finally:
+        store.close()
+    res["zstd_decompress_s"] = sh(f"zstd -q -d -c '{zst}' > /dev/null")
+    res["zstd_decompress_to_file_s"] = sh(f"zstd -q -d -c '{zst}' > '{work / 'unz.bin'}' && sync")
+    res["store_bytes_on_disk"] = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
+    return res
+
+
+def bench_s3(work: Path, size: int, seed: int) -> dict[str, Any]:
+    image = work / "s3-image"
+    layout = build_image(image, size, seed=seed + 10)
+    files = files_of(image, layout)
+    key = work / "signing.key"
+    if not key.exists():
+        generate_signing_key(key)
+    res: dict[str, Any] = {"bytes": layout.total}
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    with MotoServer() as server:
+        endpoint = server.endpoint_url
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        s3.create_bucket(Bucket="baseline")
+        s3.create_bucket(Bucket="store")
+
+        def upload_all() -> None:
+            for f in files:
+                s3.upload_file(str(f), "baseline", f.relative_to(image).as_posix())
+
+        res["boto3_upload_s"], _ = timed(upload_all)
+        print(f"boto3 upload: {res['boto3_upload_s']:.1f} s", file=sys.stderr)
+        options = BackendOptions(endpoint_url=endpoint, region="us-east-1", addressing_style="path")
+        store = open_store(
+            "s3://store/bench", key_file=key, options=options, cache_dir=work / "s3-cache"
+        )
+        try:
+            res["push_s"], pushed = timed(lambda: store.push(image, workload="bench-s3"))
+            res["push"] = pushed.as_dict()
+        finally:
+            store.close()
+        print(f"s3 push: {res['push_s']:.1f} s", file=sys.stderr)
+    return res
+
+
+def summarize(f: dict[str, Any], s3: dict[str, Any] | None) -> dict[str, Any]:
+    total = f["bytes"]
+    push_mbps = mbps(total, f["push_s"])
+    comp_mbps = mbps(total, f["zstd_compress_s"])
+    pull_mbps = mbps(total, f["pull_s"])
+    dec_mbps = mbps(total, f["zstd_decompress_s"])
+    first_up = f["push"]["bytes_uploaded"]
+    inc_up = f["incremental"]["bytes_uploaded"]
+    ratios: dict[str, float] = {
+        "push_vs_compression": push_mbps / comp_mbps,
+        "push_vs_copy": push_mbps / mbps(total, f["copy_s"]),
+        "incremental_bytes": inc_up / first_up if first_up else float("inf"),
+        "incremental_time": f["incremental_s"] / f["push_s"],
+        "pull_vs_decompression": pull_mbps / dec_mbps,
+        "pull_vs_decompression_to_file": pull_mbps / mbps(total, f["zstd_decompress_to_file_s"]),
+    }
+    if s3 is not None:
+        ratios["s3_push_time_vs_boto3_upload"] = s3["push_s"] / s3["boto3_upload_s"]
+    met = {
+        "push_vs_compression": ratios["push_vs_compression"] >= TARGETS["push_vs_compression"],
+        "incremental_bytes": ratios["incremental_bytes"] <= TARGETS["incremental_bytes"],
+        "incremental_time": ratios["incremental_time"] <= TARGETS["incremental_time"],
+        "pull_vs_decompression": ratios["pull_vs_decompression"]
+        >= TARGETS["pull_vs_decompression"],
+    }
+    return {
+        "throughput_mbps": {
+            "push": push_mbps,
+            "zstd_T0_1": comp_mbps,
+            "copy_sync": mbps(total, f["copy_s"]),
+            "pull": pull_mbps,
+            "zstd_d": dec_mbps,
+            "zstd_d_to_file": mbps(total, f["zstd_decompress_to_file_s"]),
+        },
+        "ratios": ratios,
+        "targets": TARGETS,
+        "met": met,
+    }
+
+
+def print_table(f: dict[str, Any], s3: dict[str, Any] | None, summary: dict[str, Any]) -> None:
+    total = f["bytes"]
+    t = summary["throughput_mbps"]
+    r = summary["ratios"]
+    met = summary["met"]
+
+    def mark(name: str) -> str:
+        return "met" if met[name] else "NOT MET"
+
+    push, inc = f["push"], f["incremental"]
+    push_note = (
+        f"{r['push_vs_compression']:.2f}x zstd (target >= 0.8: {mark('push_vs_compression')});"
+        f" {r['push_vs_copy']:.2f}x cp"
+    )
+    pull_note = (
+        f"{r['pull_vs_decompression']:.2f}x zstd -d (target >= 0.8: "
+        f"{mark('pull_vs_decompression')}); identical: {f['pull_identical']}"
+    )
+    rows = [
+        ("image", f"{total / GiB:.2f} GiB", "", ""),
+        (
+            "zstd -T0 -1 (compression alone)",
+            f"{f['zstd_compress_s']:.2f} s",
+            f"{t['zstd_T0_1']:.0f} MB/s",
+            f"ratio {f['zstd_ratio']:.2f}x",
+        ),
+        ("cp + sync (disk alone)", f"{f['copy_s']:.2f} s", f"{t['copy_sync']:.0f} MB/s", ""),
+        ("push, file://", f"{f['push_s']:.2f} s", f"{t['push']:.0f} MB/s", push_note),
+        (
+            "  uploaded",
+            f"{push['bytes_uploaded'] / MiB:.0f} MiB",
+            f"{push['chunks_uploaded']} chunks",
+            f"store on disk {f['store_bytes_on_disk'] / MiB:.0f} MiB",
+        ),
+        (
+            "incremental push",
+            f"{f['incremental_s']:.2f} s",
+            f"{r['incremental_time'] * 100:.1f}% of time",
+            f"target <= 30%: {mark('incremental_time')}",
+        ),
+        (
+            "  uploaded",
+            f"{inc['bytes_uploaded'] / MiB:.1f} MiB",
+            f"{r['incremental_bytes'] * 100:.1f}% of bytes",
+            f"target <= 10%: {mark('incremental_bytes')}",
+        ),
+        (
+            "zstd -d (decompression alone)",
+            f"{f['zstd_decompress_s']:.2f} s",
+            f"{t['zstd_d']:.0f} MB/s",
+            f"to a file + sync: {t['zstd_d_to_file']:.0f} MB/s",
+        ),
+        ("pull, file://", f"{f['pull_s']:.2f} s", f"{t['pull']:.0f} MB/s", pull_note),
+    ]
+    if s3 is not None:
+        s3_note = (
+            f"{r['s3_push_time_vs_boto3_upload']:.2f}x the boto3 time;"
+            f" uploaded {s3['push']['bytes_uploaded'] / MiB:.0f} MiB"
+        )
+        rows += [
+            ("S3 image (moto)", f"{s3['bytes'] / MiB:.0f} MiB", "", ""),
+            (
+                "boto3 upload_file (default)",
+                f"{s3['boto3_upload_s']:.2f} s",
+                f"{mbps(s3['bytes'], s3['boto3_upload_s']):.0f} MB/s",
+                "",
+            ),
+            (
+                "push, s3:// (moto)",
+                f"{s3['push_s']:.2f} s",
+                f"{mbps(s3['bytes'], s3['push_s']):.0f} MB/s",
+                s3_note,
+            ),
+        ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gib", type=float, default=2.0, help="image size (default 2)")
+    ap.add_argument("--s3-size-mib", type=int, default=256, help="image size for the S3 part")
+    ap.add_argument("--skip-s3", action="store_true", help="leave out the moto part")
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"), help="scratch parent")
+    ap.add_argument("--json-out", type=Path, help="also write the JSON object here")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    if shutil.which("zstd") is None:
+        print("store_bench: the zstd command is needed (apt-get install zstd)", file=sys.stderr)
+        return 1
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpusnap-bench-", dir=args.workdir))
+    load_before = os.getloadavg()
+    try:
+        f = bench_file_store(work, int(args.size_gib * GiB), args.seed)
+        s3 = None if args.skip_s3 else bench_s3(work, args.s3_size_mib * MiB, args.seed)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = summarize(f, s3)
+    result = {
+        # The box may be shared: a high load average means the figures are noisy.
+        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
+        "machine": machine(),
+        "note": "warm reads: the image was just written; page cache not dropped",
+        "file_store": f,
+        "s3_moto": s3,
+        **summary,
+    }
+    print_table(f, s3, summary)
+    before, after = result["load_average_1_5_15"]["before"], result["load_average_1_5_15"]["after"]
+    print(f"load average (1 min): {before[0]:.2f} before, {after[0]:.2f} after")
+    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""The CLI's gRPC client for gpusnapd: calls in, plain JSON-ready dicts out.
+
+Each method mirrors one ``gpusnap.v1`` RPC (and one ``DaemonServiceAPI`` method). A failed
+call raises the error kind the daemon decided — read from the ``gpusnap-error-kind``
+trailing metadata and rebuilt with ``error_from_kind`` — so the CLI exits with the code the
+service chose. When the daemon cannot be reached at all, ``DaemonUnreachable`` says so in one
+line with the socket path; the CLI exits 5 for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import socket
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, cast
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
+from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
+from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
+from gpusnap.storage.errors import (
+    DeadlineExceeded,
+    GpusnapError,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+    Unreachable,
+    error_from_kind,
+)
+
+DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
+SOCKET_ENV = "GPUSNAP_SOCKET"
+# Generous for unary calls (they only queue work or read state); Watch has no deadline.
+DEFAULT_TIMEOUT_S = 60.0
+
+# The keys of a job as the CLI prints it (``--json``); stable, see docs/api.md.
+JOB_KEYS = (
+    "id",
+    "kind",
+    "workload",
+    "state",
+    "phase",
+    "bytes_done",
+    "bytes_total",
+    "rate_bytes_per_s",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "trigger",
+    "deadline",
+    "error",
+    "error_kind",
+    "result",
+)
+
+
+class DaemonUnreachable(Unreachable):
+    """No gpusnapd answers at the socket (missing, refused, or not ours to open): exit 5."""
+
+    def __init__(self, target: str, why: str) -> None:
+        super().__init__(f"cannot reach gpusnapd at {target}: {why}")
+        self.target = target
+        self.why = why
+
+
+def socket_path(args: argparse.Namespace | None = None) -> Path:
+    """``--socket``, else ``$GPUSNAP_SOCKET``, else /run/gpusnap/gpusnapd.sock."""
+    given = getattr(args, "socket", None) if args is not None else None
+    return Path(given or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+
+
+# --- protobuf -> plain values ---------------------------------------------------------------
+
+
+def _integral(value: Any) -> Any:
+    # Struct numbers are doubles; give back ints where the daemon sent whole numbers.
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+def struct_to_dict(msg: struct_pb2.Struct) -> dict[str, Any]:
+    result: dict[str, Any] = _integral(json_format.MessageToDict(msg))
+    return result
+
+
+def _enum_name(enum_type: Any, prefix: str, number: int) -> str:
+    try:
+        name: str = enum_type.Name(number)
+    except ValueError:
+        return "unspecified"
+    return name.removeprefix(prefix).lower().replace("_", "-")
+
+
+def _time(msg: Any, field: str) -> float | None:
+    if not msg.HasField(field):
+        return None
+    ts: Timestamp = getattr(msg, field)
+    return ts.seconds + ts.nanos / 1e9
+
+
+def job_to_dict(job: pb.Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "kind": _enum_name(pb.JobKind, "JOB_KIND_", job.kind),
+        "workload": job.workload,
+        "state": _enum_name(pb.JobState, "JOB_STATE_", job.state),
+        "phase": _enum_name(pb.Phase, "PHASE_", job.phase),
+        "bytes_done": job.bytes_done,
+        "bytes_total": job.bytes_total,
+        "rate_bytes_per_s": job.rate_bytes_per_s,
+        "created_at": _time(job, "created_at"),
+        "started_at": _time(job, "started_at"),
+        "finished_at": _time(job, "finished_at"),
+        "trigger": job.trigger,
+        "deadline": _time(job, "deadline"),
+        "error": job.error or None,
+        "error_kind": job.error_kind or None,
+        "result": struct_to_dict(job.result),
+    }
+
+
+def verdict_to_dict(verdict: pb.CompatVerdict) -> dict[str, Any]:
+    return {
+        "checkpoint_id": verdict.checkpoint_id,
+        "compatible": verdict.compatible,
+        "reasons": [
+            {"field": r.field, "expected": r.expected, "actual": r.actual, "message": r.message}
+            for r in verdict.reasons
+        ],
+    }
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def _probe_why(path: Path) -> str | None:
+    """Why a plain connect to the socket fails (``No such file or directory``), or None."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(5.0)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        return exc.strerror or os.strerror(exc.errno or errno.EIO)
+    finally:
+        probe.close()
+    return None
+
+
+class DaemonClient:
+    """A connection to gpusnapd. Use as a context manager, or call ``close()``."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        socket_file: Path | None = None,
+    ) -> None:
+        self.target = target
+        self._socket_file = socket_file
+        self._timeout = timeout
+        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        self._checkpoints = pb_grpc.CheckpointsStub(self._channel)
+        self._restores = pb_grpc.RestoresStub(self._channel)
+        self._jobs = pb_grpc.JobsStub(self._channel)
+        self._workloads = pb_grpc.WorkloadsStub(self._channel)
+        self._daemon = pb_grpc.DaemonStub(self._channel)
+
+    @classmethod
+    def for_socket(cls, path: Path, *, timeout: float = DEFAULT_TIMEOUT_S) -> DaemonClient:
+        return cls(f"unix:{path}", timeout=timeout, socket_file=path)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _error(self, err: grpc.RpcError) -> GpusnapError:
+        """The error kind the daemon sent, or why the daemon could not be reached."""
+        code = err.code()
+        details = err.details() or code.name
+        kind = None
+        metadata = cast("Iterable[tuple[str, str | bytes]]", err.trailing_metadata() or ())
+        for key, value in metadata:
+            if key == ERROR_KIND_METADATA_KEY:
+                kind = value if isinstance(value, str) else value.decode()
+        if kind is not None:
+            return error_from_kind(kind, details)
+        # No kind: the call never reached our servicer.
+        if code == grpc.StatusCode.UNAVAILABLE:
+            why = _probe_why(self._socket_file) if self._socket_file is not None else None
+            return DaemonUnreachable(self.target, why or details)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"gpusnapd at {self.target} did not answer in time")
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return Unavailable(
+                f"gpusnapd at {self.target} does not offer this call (older daemon?): {details}"
+            )
+        if code == grpc.StatusCode.CANCELLED:
+            return error_from_kind("cancelled", details)
+        return Internal(f"gpusnapd at {self.target}: {code.name}: {details}")
+
+    # --- calls ------------------------------------------------------------------------------
+
+    def checkpoint(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        leave_running: bool = False,
+        trigger: str = "",
+    ) -> dict[str, Any]:
+        if (pid is None) == (workload is None):
+            raise InvalidArgument("give exactly one of a pid or a workload")
+        request = pb.CreateCheckpointRequest(leave_running=leave_running, trigger=trigger)
+        if pid is not None:
+            request.pid = pid
+        else:
+            request.workload = workload or ""
+        try:
+            return job_to_dict(self._checkpoints.Create(request, timeout=self._timeout))
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+
+    def restore(
+        self,
+        *,
+        checkpoint_id: str | None = None,
+        workload: str | None = None,
+        latest: bool = False,
+    ) -> dict[str, Any]:
+        request = pb.RestoreRequest(
+            checkpoint_id=checkpoint_id or "", workload=workload or "", latest=latest
+        )
+        try:
+            return job_to_dict(self._restores.Restore(request, timeout=self._timeout))
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+
+    def compat(self, checkpoint_id: str) -> dict[str, Any]:
+        request = pb.CompatRequest(checkpoint_id=checkpoint_id)
+        try:
+            return verdict_to_dict(self._restores.Compat(request, timeout=self._timeout))
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+
+    def get_job(self, job_id: str) -> dict[str, Any]:
+        try:
+            job = self._jobs.Get(pb.GetJobRequest(job_id=job_id), timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return job_to_dict(job)
+
+    def list_jobs(self, limit: int = 50) -> list[dict[str, Any]]:
+        try:
+            reply = self._jobs.List(pb.ListJobsRequest(limit=limit), timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return [job_to_dict(j) for j in reply.jobs]
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        try:
+            job = self._jobs.Cancel(pb.CancelJobRequest(job_id=job_id), timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return job_to_dict(job)
+
+    def watch_job(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """Snapshots of the job as it changes; ends after its terminal state."""
+        stream = self._jobs.Watch(pb.WatchJobRequest(job_id=job_id))
+        try:
+            for job in stream:
+                yield job_to_dict(job)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        finally:
+            cancel = getattr(stream, "cancel", None)  # ends the call if we stop early
+            if callable(cancel):
+                cancel()
+
+    def list_checkpoints(self, workload: str | None = None) -> list[dict[str, Any]]:
+        request = pb.ListCheckpointsRequest(workload=workload or "")
+        try:
+            reply = self._checkpoints.List(request, timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return [struct_to_dict(c) for c in reply.checkpoints]
+
+    def show_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+        request = pb.ShowCheckpointRequest(checkpoint_id=checkpoint_id)
+        try:
+            reply = self._checkpoints.Show(request, timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return struct_to_dict(reply.checkpoint)
+
+    def list_workloads(self) -> list[dict[str, Any]]:
+        try:
+            reply = self._workloads.List(pb.ListWorkloadsRequest(), timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return [struct_to_dict(w) for w in reply.workloads]
+
+    def status(self) -> dict[str, Any]:
+        try:
+            reply = self._daemon.Status(pb.StatusRequest(), timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return struct_to_dict(reply.status)
+
+    def triggers_status(self) -> dict[str, Any]:
+        try:
+            reply = self._daemon.TriggersStatus(pb.TriggersStatusRequest(), timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return struct_to_dict(reply.triggers)
+
+    def migrations(self) -> list[dict[str, Any]]:
+        try:
+            reply = self._daemon.ListMigrations(pb.ListMigrationsRequest(), timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return [struct_to_dict(m) for m in reply.migrations]
+
+    def drill(self, deadline_s: float | None = None) -> dict[str, Any]:
+        request = pb.DrillRequest()
+        if deadline_s is not None:
+            request.deadline_seconds = deadline_s
+        try:
+            return job_to_dict(self._daemon.Drill(request, timeout=self._timeout))
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+
+
+def connect(args: argparse.Namespace | None = None) -> DaemonClient:
+    """A client for the socket the CLI options name (see ``socket_path``)."""
+    return DaemonClient.for_socket(socket_path(args))

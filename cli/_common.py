@@ -1,0 +1,169 @@
+"""Options shared by every ``gpusnap`` command, and the store options of ``gpusnap store``.
+
+Every subcommand takes ``parents=[common_parser()]`` so ``--json`` and ``-v`` work after the
+command name. Command modules (``store_cmds``, ``daemon_cmds``, ``trigger_cmds``) expose
+``register(subparsers)`` and set ``func(args) -> int`` on each parser they add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpusnap.storage import CheckpointStore, open_store
+from gpusnap.storage.backend import BackendOptions
+
+# The store used when neither --store nor GPUSNAP_STORE names one (see docs).
+DEFAULT_STORE_URL = "file:///var/lib/gpusnap/store"
+
+# How long one store request is retried (backoff with jitter) before the command fails: a
+# deadline rather than a count, so a few seconds of S3 SlowDown are always ridden out.
+DEFAULT_RETRY_FOR = 30.0
+_RETRY_ATTEMPTS_CAP = 1000  # the deadline, not this cap, ends the retries
+
+# What ``add_subparsers()`` returns; generic only to the type checker.
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+else:
+    Subparsers = argparse._SubParsersAction
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_DURATION_WHOLE = re.compile(r"(?:\d+(?:\.\d+)?[smhd])+")
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def common_parser() -> argparse.ArgumentParser:
+    """``--json`` and ``-v``; add as a parent to every command parser."""
+    p = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS keeps a value given before the command from being reset by a subparser;
+    # main() fills in the defaults afterwards, so ``args.json`` always exists.
+    p.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print machine-readable JSON on stdout (errors too)",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="more detail on stderr (a traceback for internal errors)",
+    )
+    return p
+
+
+def parse_duration(text: str) -> float:
+    """``0s``, ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m`` -> seconds. For argparse ``type=``."""
+    s = text.strip().lower()
+    if not _DURATION_WHOLE.fullmatch(s):
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r} (use e.g. 0s, 90s, 30m, 2h, 1d or 1h30m)"
+        )
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(s))
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def store_parser() -> argparse.ArgumentParser:
+    """Where the store is and how to reach it; a parent of every ``gpusnap store`` command."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("store")
+    g.add_argument(
+        "--store",
+        metavar="URL",
+        help=f"file:///path or s3://bucket/prefix (env GPUSNAP_STORE; default {DEFAULT_STORE_URL})",
+    )
+    g.add_argument(
+        "--key-file",
+        metavar="FILE",
+        type=Path,
+        help="manifest signing key (env GPUSNAP_KEY_FILE); make one with `store keygen`",
+    )
+    g.add_argument(
+        "--encryption-key-file",
+        metavar="FILE",
+        type=Path,
+        help="client-side chunk encryption key (env GPUSNAP_ENCRYPTION_KEY_FILE)",
+    )
+    g.add_argument("--endpoint-url", metavar="URL", help="S3 endpoint (env AWS_ENDPOINT_URL)")
+    g.add_argument("--region", help="S3 region (default: boto3's configuration chain)")
+    g.add_argument(
+        "--addressing-style", choices=("auto", "path", "virtual"), help="S3 addressing style"
+    )
+    g.add_argument(
+        "--sse", choices=("AES256", "aws:kms"), help="S3 server-side encryption for new objects"
+    )
+    g.add_argument("--sse-kms-key-id", metavar="ID", help="KMS key for --sse aws:kms")
+    g.add_argument("--cache-dir", metavar="DIR", type=Path, help="local chunk-index cache")
+    g.add_argument("--workers", type=positive_int, metavar="N", help="parallel transfers")
+    g.add_argument(
+        "--retry-for",
+        type=parse_duration,
+        default=DEFAULT_RETRY_FOR,
+        metavar="DURATION",
+        help="keep retrying a failing store request (5xx, connection errors) with backoff "
+        "for this long before giving up; 0s: no retries (default 30s)",
+    )
+    g.add_argument(
+        "--insecure-skip-verify",
+        action="store_true",
+        help="read manifests without checking their signature (unsafe)",
+    )
+    return p
+
+
+def _env_path(value: Path | None, env: str) -> Path | None:
+    if value is not None:
+        return value
+    from_env = os.environ.get(env)
+    return Path(from_env) if from_env else None
+
+
+def store_url(args: argparse.Namespace) -> str:
+    url: str | None = args.store or os.environ.get("GPUSNAP_STORE")
+    return url or DEFAULT_STORE_URL
+
+
+def backend_options(args: argparse.Namespace) -> BackendOptions:
+    return BackendOptions(
+        endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
+        region=args.region,
+        addressing_style=args.addressing_style,
+        sse=args.sse,
+        sse_kms_key_id=args.sse_kms_key_id,
+        retry_attempts=_RETRY_ATTEMPTS_CAP if args.retry_for > 0 else 1,
+        retry_deadline=args.retry_for if args.retry_for > 0 else None,
+    )
+
+
+def open_store_from_args(args: argparse.Namespace) -> CheckpointStore:
+    """Open the store the options name."""
+    return open_store(
+        store_url(args),
+        key_file=_env_path(args.key_file, "GPUSNAP_KEY_FILE"),
+        encryption_key_file=_env_path(args.encryption_key_file, "GPUSNAP_ENCRYPTION_KEY_FILE"),
+        options=backend_options(args),
+        verify=not args.insecure_skip_verify,
+        cache_dir=args.cache_dir,
+        workers=args.workers,
+    )
+
+
+def stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False

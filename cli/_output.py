@@ -1,0 +1,143 @@
+"""How the CLI talks to a person or a script: JSON, tables, sizes, errors, the progress bar.
+
+Only the CLI entry point prints; everything here writes to streams it is given, so the
+command modules stay testable and the libraries underneath never print.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from gpusnap.storage.errors import GpusnapError, exit_code_for
+
+PROG = "gpusnap"
+
+
+def print_json(obj: Any, stream: TextIO | None = None) -> None:
+    """One JSON document, one line, newline-terminated (easy to pipe into ``jq``)."""
+    out = stream if stream is not None else sys.stdout
+    out.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
+    out.flush()
+
+
+def print_error(
+    err: BaseException, *, as_json: bool, internal: bool = False, kind: str | None = None
+) -> int:
+    """Report ``err`` as one line on stderr (and a JSON object on stdout with ``--json``).
+
+    Returns the exit code the error maps to.
+    """
+    message = " ".join(str(err).split()) or type(err).__name__
+    code = exit_code_for(err)
+    if internal:
+        line = f"{PROG}: internal error: {type(err).__name__}: {message}"
+    else:
+        line = f"{PROG}: error: {message}"
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    if as_json:
+        err_kind = kind or (err.kind if isinstance(err, GpusnapError) else "internal")
+        print_json({"error": message, "kind": err_kind, "exit_code": code})
+    return code
+
+
+def human_bytes(n: float) -> str:
+    """Binary units, three significant digits: ``0 B``, ``512 B``, ``1.50 KiB``, ``2.00 GiB``."""
+    if n < 1024:
+        return f"{int(n)} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024.0
+        if value < 1024 or unit == "PiB":
+            if value >= 100:
+                return f"{value:.0f} {unit}"
+            if value >= 10:
+                return f"{value:.1f} {unit}"
+            return f"{value:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_seconds(seconds: float) -> str:
+    """``0:07``, ``12:03``, ``1:02:03``."""
+    s = max(0, int(seconds + 0.5))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns separated by two spaces; no trailing blanks."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = []
+    for row in [list(headers), *[list(r) for r in rows]]:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal: bytes, percent, MB/s, ETA.
+
+    Callable as ``bar(done, total)`` from any thread (the store calls it from its
+    workers); redraws at most every ``min_interval`` seconds, plus once at completion.
+    """
+
+    def __init__(self, label: str, stream: TextIO, *, min_interval: float = 0.1) -> None:
+        self._label = label
+        self._stream = stream
+        self._min_interval = min_interval
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._last_draw = 0.0
+        self._drawn = False
+        self._finished = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._finished:
+                return
+            complete = total > 0 and done >= total
+            if not complete and now - self._last_draw < self._min_interval:
+                return
+            self._last_draw = now
+            self._draw(done, total, now)
+            if complete:
+                self._finish_locked()
+
+    def _draw(self, done: int, total: int, now: float) -> None:
+        elapsed = max(now - self._start, 1e-6)
+        rate = done / elapsed  # bytes per second
+        frac = min(1.0, done / total) if total > 0 else 0.0
+        eta = human_seconds((total - done) / rate) if rate > 0 and total > done else "0:00"
+        tail = (
+            f" {frac * 100:5.1f}%  {human_bytes(done)}/{human_bytes(total)}"
+            f"  {rate / 1e6:7.1f} MB/s  ETA {eta}"
+        )
+        columns = shutil.get_terminal_size((80, 24)).columns
+        width = max(10, min(40, columns - len(self._label) - len(tail) - 4))
+        filled = int(frac * width)
+        bar = "#" * filled + "." * (width - filled)
+        self._stream.write(f"\r{self._label} [{bar}]{tail}\x1b[K")
+        self._stream.flush()
+        self._drawn = True
+
+    def _finish_locked(self) -> None:
+        if self._drawn and not self._finished:
+            self._stream.write("\n")
+            self._stream.flush()
+        self._finished = True
+
+    def close(self) -> None:
+        """End the line (idempotent); call on success and on failure alike."""
+        with self._lock:
+            self._finish_locked()

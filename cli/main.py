@@ -1,0 +1,122 @@
+"""``gpusnap``: the operator CLI.
+
+``gpusnap store …`` works on a store directly, without the daemon; the daemon and trigger
+commands (added by ``cli/daemon_cmds.py`` and ``cli/trigger_cmds.py`` when present) talk to
+``gpusnapd`` over gRPC.
+
+Exit codes (one table, ``storage/errors.py``): 0 success, 1 any other error, 2 usage error,
+3 not found, 4 integrity or authenticity failure, 5 daemon unreachable, 130 interrupted.
+Errors are one line on stderr, never a traceback (unless ``-v`` or ``GPUSNAP_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import sys
+import traceback
+
+from gpusnap import __version__
+from gpusnap.cli import store_cmds
+from gpusnap.cli._common import Subparsers, common_parser
+from gpusnap.cli._output import PROG, print_error
+from gpusnap.storage.errors import EXIT_FAILURE, GpusnapError
+
+# Command modules written alongside this one; each is optional until it lands.
+_OPTIONAL_COMMAND_MODULES = ("daemon_cmds", "trigger_cmds")
+
+EXIT_INTERRUPTED = 130
+
+
+def _register_optional(subparsers: Subparsers) -> None:
+    for name in _OPTIONAL_COMMAND_MODULES:
+        qualified = f"gpusnap.cli.{name}"
+        try:
+            module = importlib.import_module(qualified)
+        except ImportError as exc:
+            if isinstance(exc, ModuleNotFoundError) and exc.name == qualified:
+                continue  # not written (yet): its commands simply do not exist
+            # The module exists but one of its imports failed: say so, keep the rest usable.
+            sys.stderr.write(f"{PROG}: warning: {name} commands unavailable: {exc}\n")
+            continue
+        module.register(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Checkpoint, ship and restore GPU workloads.",
+        parents=[common_parser()],
+        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 integrity/authenticity, "
+        "5 daemon unreachable",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=os.environ.get("GPUSNAP_SOCKET"),
+        help="gpusnapd's API socket (env GPUSNAP_SOCKET)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>", required=True)
+    store_cmds.register(subparsers)
+    _register_optional(subparsers)
+    return parser
+
+
+def _debug_wanted(args: argparse.Namespace | None) -> bool:
+    if os.environ.get("GPUSNAP_DEBUG", "") not in ("", "0"):
+        return True
+    return bool(args is not None and getattr(args, "verbose", 0))
+
+
+def _configure_logging(verbose: int) -> None:
+    """Library logs (retries and the like) go to stderr only with -v: an error is one line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    if verbose <= 0:
+        root.setLevel(logging.CRITICAL + 1)  # the failure itself is reported by main()
+    else:
+        root.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _configure_logging(0)
+    parser = build_parser()
+    args: argparse.Namespace | None = None
+    try:
+        args = parser.parse_args(argv)  # usage errors exit 2 from inside argparse
+        if not hasattr(args, "json"):
+            args.json = False
+        if not hasattr(args, "verbose"):
+            args.verbose = 0
+        _configure_logging(args.verbose)
+        code: int = args.func(args)
+        return code
+    except GpusnapError as err:
+        return print_error(err, as_json=bool(args is not None and args.json))
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\n{PROG}: interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`gpusnap store ls | head`); stay quiet about it.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - replaces the closed pipe
+        return EXIT_FAILURE
+    except OSError as err:
+        # A local file problem the library did not translate: still one clear line.
+        if _debug_wanted(args):
+            traceback.print_exc()
+        return print_error(err, as_json=bool(args is not None and args.json), kind="os_error")
+    except Exception as err:
+        if _debug_wanted(args):
+            traceback.print_exc()
+        return print_error(err, as_json=bool(args is not None and args.json), internal=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

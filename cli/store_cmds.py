@@ -1,0 +1,346 @@
+"""``gpusnap store …``: push, pull, list, show, verify and gc a checkpoint store directly.
+
+These commands need no daemon. The store is named by ``--store URL`` or ``GPUSNAP_STORE``
+(default ``file:///var/lib/gpusnap/store``); see ``_common.store_parser`` for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gpusnap.cli._common import (
+    Subparsers,
+    common_parser,
+    open_store_from_args,
+    parse_duration,
+    positive_int,
+    stderr_is_tty,
+    store_parser,
+)
+from gpusnap.cli._output import ProgressBar, human_bytes, print_json, render_table
+from gpusnap.storage import CheckpointStore, generate_encryption_key, generate_signing_key
+from gpusnap.storage.errors import EXIT_INTEGRITY, EXIT_OK, AlreadyExists, NotFound
+
+Progress = Callable[[int, int], None]
+
+
+def register(subparsers: Subparsers) -> None:
+    store = subparsers.add_parser(
+        "store",
+        help="work on a checkpoint store directly (no daemon needed)",
+        description="Work on a checkpoint store directly; no daemon needed.",
+        parents=[common_parser()],
+    )
+    sub = store.add_subparsers(dest="store_command", metavar="<store command>", required=True)
+    parents = [common_parser(), store_parser()]
+
+    p = sub.add_parser("push", parents=parents, help="upload a directory as a new checkpoint")
+    p.add_argument("dir", type=Path, metavar="DIR", help="directory to upload")
+    p.add_argument("--workload", required=True, metavar="NAME", help="workload name")
+    p.add_argument("--parent", metavar="ID", help="checkpoint this one follows")
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("pull", parents=parents, help="download a checkpoint into a directory")
+    p.add_argument("checkpoint_id", metavar="ID")
+    p.add_argument("dest", type=Path, metavar="DEST", help="destination directory")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("ls", parents=parents, help="list checkpoints, newest first")
+    p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("show", parents=parents, help="describe one checkpoint")
+    p.add_argument("checkpoint_id", metavar="ID")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("verify", parents=parents, help="check checkpoints are complete and intact")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("checkpoint_id", metavar="ID", nargs="?", help="checkpoint to verify")
+    which.add_argument("--all", action="store_true", help="verify every checkpoint")
+    p.add_argument(
+        "--read-data", action="store_true", help="re-read and re-hash every chunk (slow)"
+    )
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", parents=parents, help="delete unreferenced chunks, apply retention")
+    p.add_argument(
+        "--keep-last",
+        type=positive_int,
+        metavar="N",
+        help="keep only the newest N checkpoints of each workload",
+    )
+    p.add_argument(
+        "--grace",
+        type=parse_duration,
+        metavar="DURATION",
+        help="spare chunks younger than this, so pushes in flight keep theirs "
+        "(e.g. 0s, 30m, 2h, 1d, 1h30m; default 1h)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser(
+        "keygen",
+        parents=[common_parser()],
+        help="create a manifest signing key (or, with --encryption, a chunk encryption key)",
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="key file to create")
+    p.add_argument(
+        "--encryption", action="store_true", help="an encryption key instead of a signing key"
+    )
+    p.set_defaults(func=cmd_keygen)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+@contextmanager
+def _opened(args: argparse.Namespace) -> Iterator[CheckpointStore]:
+    store = open_store_from_args(args)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@contextmanager
+def _progress(args: argparse.Namespace, label: str) -> Iterator[Progress | None]:
+    """A progress bar on stderr when it is a terminal and output is for a person."""
+    if args.json or not stderr_is_tty():
+        yield None
+        return
+    bar = ProgressBar(label, sys.stderr)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    """The plain-data form of a store result or summary, whatever its spelling."""
+    for name in ("as_dict", "to_dict"):
+        method = getattr(obj, name, None)
+        if callable(method):
+            result: dict[str, Any] = method()
+            return result
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        return obj
+    raise TypeError(f"cannot render {type(obj).__name__}")
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if key in d and d[key] is not None:
+            return d[key]
+    return default
+
+
+def _when(value: Any) -> str:
+    """A created time (epoch seconds, ISO string or datetime) as ``YYYY-MM-DD HH:MM:SSZ``."""
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return value
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        return parsed.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return "-" if value is None else str(value)
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    """A human summary on stderr: on a terminal, or with -v; never with --json."""
+    if not args.json and (args.verbose or stderr_is_tty()):
+        sys.stderr.write(text + "\n")
+
+
+# -- commands --------------------------------------------------------------------------
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    src: Path = args.dir
+    if not src.is_dir():
+        raise NotFound(f"no such directory: {src}")
+    with _opened(args) as store, _progress(args, "push") as progress:
+        result = store.push(src, workload=args.workload, parent=args.parent, progress=progress)
+    data = _as_dict(result)
+    if args.json:
+        print_json(data)
+        return EXIT_OK
+    _out(result.checkpoint_id)
+    _note(
+        args,
+        f"pushed {human_bytes(result.bytes_total)} in {result.chunks_total} chunks; "
+        f"uploaded {human_bytes(result.bytes_uploaded)} in {result.chunks_uploaded} new chunks "
+        f"({result.seconds:.1f} s)",
+    )
+    return EXIT_OK
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    with _opened(args) as store, _progress(args, "pull") as progress:
+        result = store.pull(args.checkpoint_id, args.dest, progress=progress)
+    data = _as_dict(result)
+    if args.json:
+        print_json(data)
+        return EXIT_OK
+    total = _first(data, "bytes_total", "bytes", default=0)
+    seconds = float(_first(data, "seconds", default=0.0))
+    _note(args, f"pulled {args.checkpoint_id} ({human_bytes(total)}, {seconds:.1f} s)")
+    _out(str(args.dest))
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _opened(args) as store:
+        summaries = [_as_dict(s) for s in store.list(workload=args.workload)]
+    if args.json:
+        print_json({"checkpoints": summaries})
+        return EXIT_OK
+    rows = [
+        [
+            str(_first(s, "checkpoint_id", "id", default="?")),
+            str(_first(s, "workload", default="-")),
+            _when(_first(s, "created", "created_at")),
+            human_bytes(_first(s, "bytes_total", "size", "total_bytes", default=0)),
+            str(_first(s, "files", "file_count", "files_total", default="-")),
+        ]
+        for s in summaries
+    ]
+    _out(render_table(["ID", "WORKLOAD", "CREATED", "SIZE", "FILES"], rows))
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _opened(args) as store:
+        manifest = _as_dict(store.manifest(args.checkpoint_id))
+    if args.json:
+        print_json(manifest)
+        return EXIT_OK
+    _out(render_manifest(manifest))
+    return EXIT_OK
+
+
+def render_manifest(m: dict[str, Any]) -> str:
+    files: list[dict[str, Any]] = list(_first(m, "files", default=[]))
+    totals: dict[str, Any] = dict(_first(m, "totals", default={}))
+    size = _first(totals, "bytes", "bytes_total", "size", default=None)
+    if size is None:
+        size = sum(int(_first(f, "size", default=0)) for f in files)
+    chunks = _first(totals, "chunks", "chunks_total", default=None)
+    if chunks is None:
+        chunks = sum(len(_first(f, "chunks", default=[])) for f in files)
+    stamp: dict[str, Any] = dict(_first(m, "stamp", default={}))
+    lines = [
+        f"checkpoint  {_first(m, 'checkpoint_id', 'id', default='?')}",
+        f"workload    {_first(m, 'workload', default='-')}",
+        f"created     {_when(_first(m, 'created', 'created_at'))}",
+        f"parent      {_first(m, 'parent', 'parent_id', default='-')}",
+        f"size        {human_bytes(size)} in {len(files)} files, {chunks} chunks",
+        f"schema      {_first(m, 'schema', 'schema_version', 'version', default='-')}",
+    ]
+    if stamp:
+        lines.append("stamp")
+        lines.extend(f"  {k}: {stamp[k]}" for k in sorted(stamp))
+    else:
+        lines.append("stamp       (empty)")
+    if files:
+        lines.append("files")
+        rows = [
+            [
+                _mode(_first(f, "mode")),
+                human_bytes(int(_first(f, "size", default=0))),
+                str(len(_first(f, "chunks", default=[]))),
+                str(_first(f, "path", default="?")),
+            ]
+            for f in files
+        ]
+        table = render_table(["MODE", "SIZE", "CHUNKS", "PATH"], rows)
+        lines.extend("  " + line for line in table.splitlines())
+    return "\n".join(lines)
+
+
+def _mode(value: Any) -> str:
+    if isinstance(value, int):
+        return f"{value & 0o7777:04o}"
+    return "-" if value is None else str(value)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    ids = None if args.all else [args.checkpoint_id]
+    with _opened(args) as store:
+        report = store.verify(ids, read_data=args.read_data)
+    data = _as_dict(report)
+    problems = list(report.problems)
+    if args.json:
+        print_json(data)
+    else:
+        checked = len(report.checkpoints)
+        if not problems:
+            note = " (data re-read)" if args.read_data else ""
+            _out(f"ok: {checked} checkpoint(s), {report.chunks_checked} chunks verified{note}")
+        for problem in problems:
+            _out(f"problem: {problem}")
+    if problems:
+        sys.stderr.write(f"gpusnap: error: verify found {len(problems)} problem(s)\n")
+        return EXIT_INTEGRITY
+    return EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    kwargs: dict[str, Any] = {"keep_last": args.keep_last, "dry_run": args.dry_run}
+    if args.grace is not None:
+        kwargs["grace_seconds"] = args.grace
+    with _opened(args) as store:
+        report = store.gc(**kwargs)
+    if args.json:
+        print_json(_as_dict(report))
+        return EXIT_OK
+    verb = "would delete" if args.dry_run else "deleted"
+    for checkpoint in report.manifests_deleted:
+        _out(f"{verb} checkpoint {checkpoint} (retention)")
+    _out(
+        f"{verb} {report.chunks_deleted} unreferenced chunks ({human_bytes(report.bytes_freed)}); "
+        f"kept {report.chunks_referenced} referenced and {report.chunks_kept_in_grace} "
+        "within the grace period"
+    )
+    if report.blocked_by:
+        _out(f"no chunk deleted: pushes in flight ({', '.join(report.blocked_by)})")
+    for problem in report.problems:
+        _out(f"problem: {problem}")
+    return EXIT_OK
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    if out.exists() or out.is_symlink():
+        raise AlreadyExists(f"{out} exists; refusing to overwrite a key")
+    if args.encryption:
+        generate_encryption_key(out)
+    else:
+        generate_signing_key(out)
+    os.chmod(out, 0o600)
+    kind = "encryption" if args.encryption else "signing"
+    if args.json:
+        print_json({"key_file": str(out), "kind": kind})
+    else:
+        _out(f"wrote {kind} key to {out} (mode 0600); keep it secret")
+    return EXIT_OK

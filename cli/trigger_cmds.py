@@ -1,0 +1,171 @@
+"""``gpusnap triggers``, ``gpusnap migrations`` and ``gpusnap drill reclaim``.
+
+``triggers`` shows the reclaim watchers (provider, last poll, last error, last notice) and
+each workload's policy state; ``migrations`` shows migration requests (pending, claimed by
+whom, outcome); ``drill reclaim`` runs the whole reclaim path on this node as if a notice had
+arrived — the workloads are checkpointed in kill mode and published for standby nodes. All
+take ``--json``; a daemon that cannot be reached is one line and exit 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from gpusnap.cli._client import connect
+from gpusnap.cli._common import Subparsers, common_parser, parse_duration
+from gpusnap.cli._output import PROG, print_json, render_table
+from gpusnap.storage.errors import EXIT_OK
+
+
+def _ago(epoch: object) -> str:
+    if not isinstance(epoch, int | float) or not epoch:
+        return "-"
+    delta = time.time() - float(epoch)
+    return f"{delta:.0f}s ago" if delta >= 0 else f"in {-delta:.0f}s"
+
+
+def deadline_seconds(text: str) -> float:
+    """``30`` (seconds) or a duration such as ``90s``, ``2m``; must be > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = parse_duration(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"deadline must be more than 0 seconds, not {text!r}")
+    return value
+
+
+def render_triggers(state: dict[str, Any]) -> str:
+    lines = [f"provider: {state.get('provider', 'none')}  ({state.get('detail') or 'no detail'})"]
+    rows = []
+    for w in state.get("watchers") or []:
+        notice = w.get("last_notice") or {}
+        rows.append(
+            [
+                str(w.get("name", "?")),
+                _ago(w.get("last_poll_at")),
+                "ok" if w.get("last_poll_ok") else (w.get("last_error") or "never polled"),
+                f"{notice.get('kind')} {notice.get('event_id')}" if notice else "-",
+            ]
+        )
+    if rows:
+        lines.append(render_table(["WATCHER", "LAST POLL", "STATUS", "LAST NOTICE"], rows))
+    logind = state.get("logind") or {}
+    if logind:
+        held = "held" if logind.get("held") else f"not held ({logind.get('error') or 'released'})"
+        lines.append(f"logind shutdown delay lock: {held}")
+    wrows = []
+    for w in state.get("workloads") or []:
+        reclaim = w.get("reclaim") or {}
+        wrows.append(
+            [
+                str(w.get("workload")),
+                str(w.get("on_notice")),
+                str(w.get("checkpoint_interval") or "-"),
+                str(w.get("running") or "-"),
+                (
+                    f"{reclaim.get('trigger')} "
+                    + (
+                        "committed"
+                        if reclaim.get("committed")
+                        else "running"
+                        if not reclaim.get("done")
+                        else "failed"
+                    )
+                )
+                if reclaim
+                else "-",
+            ]
+        )
+    if wrows:
+        lines.append(
+            render_table(["WORKLOAD", "ON NOTICE", "INTERVAL", "RUNNING", "RECLAIM"], wrows)
+        )
+    return "\n".join(lines)
+
+
+def render_migrations(items: list[dict[str, Any]]) -> str:
+    if not items:
+        return "no migrations"
+    rows = []
+    for m in items:
+        req = m.get("request") or {}
+        claim = m.get("claim") or {}
+        outcome = m.get("outcome") or {}
+        rows.append(
+            [
+                str(m.get("checkpoint_id")),
+                str(req.get("workload", "?")),
+                str(req.get("source_node", "?")),
+                str(m.get("status")),
+                f"{claim.get('node_id')} ({claim.get('mode')})" if claim else "-",
+                str(outcome.get("mode") or outcome.get("state") or "-") if outcome else "-",
+            ]
+        )
+    return render_table(["CHECKPOINT", "WORKLOAD", "FROM", "STATUS", "CLAIMED BY", "OUTCOME"], rows)
+
+
+def cmd_triggers(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        state = client.triggers_status()
+    if args.json:
+        print_json(state)
+    else:
+        sys.stdout.write(render_triggers(state) + "\n")
+    return EXIT_OK
+
+
+def cmd_migrations(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        items = client.migrations()
+    if args.json:
+        print_json({"migrations": items})
+    else:
+        sys.stdout.write(render_migrations(items) + "\n")
+    return EXIT_OK
+
+
+def cmd_drill_reclaim(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        job = client.drill(args.deadline)
+    if args.json:
+        print_json(job)
+    else:
+        jid = job.get("id")
+        sys.stdout.write(
+            f"drill: reclaim checkpoint job {jid} of {job.get('workload')} started "
+            f"(deadline in {args.deadline or 120:g} s); follow it with `{PROG} job {jid}`\n"
+        )
+    return EXIT_OK
+
+
+def register(subparsers: Subparsers) -> None:
+    common = [common_parser()]
+    p = subparsers.add_parser(
+        "triggers", parents=common, help="reclaim watchers: provider, last poll, last notice"
+    )
+    p.set_defaults(func=cmd_triggers)
+
+    p = subparsers.add_parser(
+        "migrations", parents=common, help="migration requests: pending, claimed by whom, outcome"
+    )
+    p.set_defaults(func=cmd_migrations)
+
+    p = subparsers.add_parser("drill", parents=common, help="rehearse a reclaim on this node")
+    drills = p.add_subparsers(dest="drill", metavar="<drill>", required=True)
+    d = drills.add_parser(
+        "reclaim",
+        parents=common,
+        help="checkpoint (kill mode) and publish every workload as if a notice had arrived",
+    )
+    d.add_argument(
+        "--deadline",
+        type=deadline_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds until the pretend reclaim (e.g. 30, 90s, 2m; default 120)",
+    )
+    d.set_defaults(func=cmd_drill_reclaim)

@@ -1,0 +1,1 @@
+"""The ``gpusnap`` protobuf package (``proto/gpusnap/<version>/``); see ``v1``."""

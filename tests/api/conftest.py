@@ -1,0 +1,288 @@
+"""A small in-test service behind the real gRPC server on a real unix socket.
+
+It implements ``DaemonServiceAPI`` with canned answers so these tests prove the translation
+layer (servicer, client, CLI); the real service is tested end to end in tests/daemon/.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from gpusnap.daemon.api import DaemonServiceAPI
+from gpusnap.daemon.grpc_server import start_server, stop_server
+from gpusnap.daemon.model import (
+    CompatVerdict,
+    Job,
+    JobKind,
+    JobState,
+    Phase,
+    Progress,
+    Reason,
+)
+from gpusnap.storage.errors import KINDS, NotFound
+
+T0 = 1_700_000_000.25
+REPO = Path(__file__).resolve().parents[2]
+
+FAILING_PID = 13  # a checkpoint of this pid ends FAILED with a corrupt error
+INCOMPATIBLE_ID = "ckpt-other-node"
+
+
+def _raise_if_asked(value: str | None) -> None:
+    """``"raise:not_found"`` makes the call fail with that error kind."""
+    if value and value.startswith("raise:"):
+        kind = value.removeprefix("raise:")
+        if kind == "bug":
+            raise RuntimeError("a bug in the service")
+        raise KINDS[kind](f"asked to fail with {kind}")
+
+
+class FakeService:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.jobs: dict[str, Job] = {}
+        self.snapshots: dict[str, list[Job]] = {}
+        self._ids = itertools.count(1)
+
+    def _job(self, kind: JobKind, workload: str, **kw: Any) -> Job:
+        job = Job(
+            id=f"job-{next(self._ids)}",
+            kind=kind,
+            workload=workload,
+            created_at=T0,
+            **kw,
+        )
+        self.jobs[job.id] = job
+        return job
+
+    def _script(self, job: Job, final_state: JobState, result: dict[str, Any], **kw: Any) -> None:
+        running = replace(
+            job,
+            state=JobState.RUNNING,
+            phase=Phase.UPLOAD if job.kind == JobKind.CHECKPOINT else Phase.FETCH,
+            started_at=T0 + 1,
+            progress=Progress(bytes_done=512, bytes_total=1024, rate_bytes_per_s=256.0),
+        )
+        final = replace(
+            running,
+            state=final_state,
+            phase=Phase.DONE,
+            finished_at=T0 + 5,
+            progress=Progress(bytes_done=1024, bytes_total=1024, rate_bytes_per_s=204.8),
+            result=result,
+            **kw,
+        )
+        self.snapshots[job.id] = [copy.deepcopy(job), running, final]
+        self.jobs[job.id] = final
+
+    def checkpoint(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        leave_running: bool = False,
+        trigger: str = "operator",
+        deadline: float | None = None,
+    ) -> Job:
+        self.calls.append(
+            (
+                "checkpoint",
+                {
+                    "pid": pid,
+                    "workload": workload,
+                    "leave_running": leave_running,
+                    "trigger": trigger,
+                    "deadline": deadline,
+                },
+            )
+        )
+        _raise_if_asked(workload)
+        job = self._job(
+            JobKind.CHECKPOINT, workload or f"pid-{pid}", trigger=trigger, deadline=deadline
+        )
+        if pid == FAILING_PID:
+            self._script(
+                job,
+                JobState.FAILED,
+                {},
+                error="chunk 3f2a failed its hash check",
+                error_kind="corrupt",
+            )
+        else:
+            self._script(
+                job,
+                JobState.SUCCEEDED,
+                {
+                    "checkpoint_id": "ckpt-1",
+                    "pause_seconds": 0.75,
+                    "seconds": 4.5,
+                    "bytes_total": 1024,
+                    "bytes_uploaded": 1000,
+                    "chunks_total": 3,
+                },
+            )
+        return self.snapshots[job.id][0]
+
+    def restore(
+        self,
+        *,
+        checkpoint_id: str | None = None,
+        workload: str | None = None,
+        latest: bool = False,
+    ) -> Job:
+        self.calls.append(
+            ("restore", {"checkpoint_id": checkpoint_id, "workload": workload, "latest": latest})
+        )
+        _raise_if_asked(checkpoint_id)
+        job = self._job(JobKind.RESTORE, workload or "llm")
+        if checkpoint_id == INCOMPATIBLE_ID:
+            result = {
+                "checkpoint_id": checkpoint_id,
+                "mode": "cold-start",
+                "pids": [4242],
+                "reasons": ["model revision abc123 recorded, def456 here"],
+                "seconds": 2.0,
+            }
+        else:
+            result = {
+                "checkpoint_id": checkpoint_id or "ckpt-latest",
+                "mode": "restored",
+                "pids": [4321, 4322],
+                "reasons": [],
+                "seconds": 3.25,
+            }
+        self._script(job, JobState.SUCCEEDED, result)
+        return self.snapshots[job.id][0]
+
+    def compat(self, checkpoint_id: str) -> CompatVerdict:
+        self.calls.append(("compat", {"checkpoint_id": checkpoint_id}))
+        _raise_if_asked(checkpoint_id)
+        if checkpoint_id == INCOMPATIBLE_ID:
+            return CompatVerdict(
+                checkpoint_id,
+                False,
+                (Reason("model.revision", "abc123", "def456", "model revision differs"),),
+            )
+        return CompatVerdict(checkpoint_id, True)
+
+    def get_job(self, job_id: str) -> Job:
+        _raise_if_asked(job_id)
+        try:
+            return self.jobs[job_id]
+        except KeyError:
+            raise NotFound(f"no job {job_id}") from None
+
+    def list_jobs(self, limit: int = 50) -> list[Job]:
+        self.calls.append(("list_jobs", {"limit": limit}))
+        return list(reversed(self.jobs.values()))[:limit]
+
+    def cancel_job(self, job_id: str) -> Job:
+        job = self.get_job(job_id)
+        if job.state.terminal:
+            return job
+        job.state = JobState.CANCELLED
+        return job
+
+    def watch_job(self, job_id: str) -> Iterator[Job]:
+        _raise_if_asked(job_id)
+        if job_id not in self.snapshots:
+            raise NotFound(f"no job {job_id}")
+        yield from self.snapshots[job_id]
+
+    def list_checkpoints(self, workload: str | None = None) -> list[dict[str, Any]]:
+        self.calls.append(("list_checkpoints", {"workload": workload}))
+        _raise_if_asked(workload)
+        return [
+            {
+                "checkpoint_id": "ckpt-1",
+                "workload": workload or "llm",
+                "created": T0,
+                "bytes_total": 1024,
+                "parent": None,
+            }
+        ]
+
+    def show_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+        _raise_if_asked(checkpoint_id)
+        if checkpoint_id != "ckpt-1":
+            raise NotFound(f"no checkpoint {checkpoint_id}")
+        return {
+            "checkpoint_id": "ckpt-1",
+            "workload": "llm",
+            "created": T0,
+            "stamp": {"host": {"arch": "x86_64"}, "model": {"revision": "abc123"}},
+            "files": [{"path": "pages-1.img", "size": 1024, "chunks": ["a", "b"]}],
+        }
+
+    def list_workloads(self) -> list[dict[str, Any]]:
+        return [{"name": "llm", "pid_file": "/run/llm.pid", "engine": {"name": "vllm"}}]
+
+    def status(self) -> dict[str, Any]:
+        return {"version": "0.1.0", "jobs_running": 0, "store": "file:///var/lib/gpusnap/store"}
+
+    def triggers_status(self) -> dict[str, Any]:
+        return {"aws": {"state": "watching", "last_poll": T0}}
+
+    def migrations(self) -> list[dict[str, Any]]:
+        return [{"id": "mig-1", "from": "node-a", "to": "node-b"}]
+
+    def drill(self, deadline_s: float | None) -> Job:
+        self.calls.append(("drill", {"deadline_s": deadline_s}))
+        return self._job(JobKind.CHECKPOINT, "llm", trigger="drill")
+
+
+def _typed(service: FakeService) -> DaemonServiceAPI:
+    return service  # mypy checks FakeService against the Protocol here
+
+
+@pytest.fixture
+def service() -> FakeService:
+    return FakeService()
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    # Not under pytest's tmp_path (0700 for root): other users must be able to reach it.
+    d = Path(tempfile.mkdtemp(prefix="gpusnap-api-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+@pytest.fixture
+def server(service: FakeService, socket_dir: Path) -> Iterator[Path]:
+    """Serves ``service``; yields the socket path."""
+    path = socket_dir / "gpusnapd.sock"
+    srv: grpc.Server = start_server(_typed(service), socket_path=path, socket_group=None)
+    yield path
+    stop_server(srv, path, grace=None)
+
+
+def run_cli(
+    socket_path: Path | None, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "gpusnap.cli.main"]
+    if socket_path is not None:
+        argv += ["--socket", str(socket_path)]
+    return subprocess.run(
+        [*argv, *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )

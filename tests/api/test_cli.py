@@ -1,0 +1,189 @@
+"""The daemon commands as an operator runs them: subprocesses against the served socket."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from gpusnap.storage.errors import (
+    ERROR_TABLE,
+    EXIT_DAEMON_UNREACHABLE,
+    EXIT_INTEGRITY,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+)
+from tests.api.conftest import FAILING_PID, INCOMPATIBLE_ID, FakeService, run_cli
+
+
+def _json(proc: object) -> dict:  # type: ignore[type-arg]
+    out = proc.stdout  # type: ignore[attr-defined]
+    assert out.count("\n") == 1, out
+    return json.loads(out)
+
+
+def test_checkpoint_wait_json_prints_the_documented_keys(
+    server: Path, service: FakeService
+) -> None:
+    proc = run_cli(server, "checkpoint", "--pid", "4321", "--leave-running", "--wait", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = _json(proc)
+    for key in ("checkpoint_id", "pause_seconds", "seconds", "bytes_total", "bytes_uploaded"):
+        assert key in out
+    assert out["checkpoint_id"] == "ckpt-1"
+    assert out["bytes_uploaded"] == 1000
+    assert out["state"] == "succeeded"
+    assert out["job_id"].startswith("job-")
+    assert service.calls[0][1]["leave_running"] is True
+    assert proc.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+def test_checkpoint_without_wait_prints_the_job_id(server: Path) -> None:
+    proc = run_cli(server, "checkpoint", "--workload", "llm")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("job-")
+    as_json = _json(run_cli(server, "checkpoint", "--workload", "llm", "--json"))
+    assert as_json["state"] == "queued" and as_json["kind"] == "checkpoint"
+
+
+def test_checkpoint_needs_exactly_one_target(server: Path) -> None:
+    assert run_cli(server, "checkpoint").returncode == EXIT_USAGE
+    assert run_cli(server, "checkpoint", "--pid", "1", "--workload", "x").returncode == EXIT_USAGE
+
+
+def test_failed_job_exits_with_its_kinds_code(server: Path) -> None:
+    proc = run_cli(server, "checkpoint", "--pid", str(FAILING_PID), "--wait", "--json")
+    assert proc.returncode == EXIT_INTEGRITY == ERROR_TABLE["corrupt"].exit_code
+    out = _json(proc)
+    assert out["state"] == "failed"
+    assert out["kind"] == "corrupt"
+    assert "hash check" in out["error"]
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_restore_wait_json_restored_and_cold_start(server: Path) -> None:
+    proc = run_cli(server, "restore", "ckpt-1", "--wait", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = _json(proc)
+    assert out["mode"] == "restored"
+    assert out["pids"] == [4321, 4322]
+    assert out["reasons"] == []
+    assert out["seconds"] == 3.25
+
+    proc = run_cli(server, "restore", INCOMPATIBLE_ID, "--wait", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = _json(proc)
+    assert out["mode"] == "cold-start"
+    assert out["reasons"] == ["model revision abc123 recorded, def456 here"]
+
+    human = run_cli(server, "restore", INCOMPATIBLE_ID, "--wait")
+    assert "cold-started" in human.stdout and "model revision" in human.stdout
+
+
+def test_restore_latest_of_a_workload(server: Path, service: FakeService) -> None:
+    proc = run_cli(server, "restore", "--workload", "llm", "--latest", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert service.calls[-1] == (
+        "restore",
+        {"checkpoint_id": None, "workload": "llm", "latest": True},
+    )
+    assert run_cli(server, "restore", "--workload", "llm").returncode == EXIT_USAGE
+    assert run_cli(server, "restore").returncode == EXIT_USAGE
+    assert run_cli(server, "restore", "x", "--workload", "llm", "--latest").returncode == EXIT_USAGE
+
+
+def test_compat_json(server: Path) -> None:
+    proc = run_cli(server, "compat", "ckpt-1", "--json")
+    assert proc.returncode == 0
+    assert _json(proc) == {"checkpoint_id": "ckpt-1", "compatible": True, "reasons": []}
+    proc = run_cli(server, "compat", INCOMPATIBLE_ID, "--json")
+    assert proc.returncode == ERROR_TABLE["incompatible"].exit_code
+    out = _json(proc)
+    assert out["compatible"] is False
+    assert out["reasons"][0]["field"] == "model.revision"
+    human = run_cli(server, "compat", INCOMPATIBLE_ID)
+    assert "NOT compatible" in human.stdout and "model revision differs" in human.stdout
+
+
+def test_job_jobs_cancel(server: Path) -> None:
+    job_id = run_cli(server, "checkpoint", "--workload", "llm").stdout.strip()
+    job = _json(run_cli(server, "job", job_id, "--json"))
+    assert job["id"] == job_id and job["state"] == "succeeded"
+    jobs = _json(run_cli(server, "jobs", "--json"))["jobs"]
+    assert [j["id"] for j in jobs] == [job_id]
+    table = run_cli(server, "jobs").stdout.splitlines()
+    assert table[0].split()[:4] == ["ID", "KIND", "WORKLOAD", "STATE"]
+    assert table[1].split()[:4] == [job_id, "checkpoint", "llm", "succeeded"]
+    assert _json(run_cli(server, "cancel", job_id, "--json"))["id"] == job_id
+    assert "state" in run_cli(server, "job", job_id).stdout
+
+
+def test_not_found_exits_3(server: Path) -> None:
+    proc = run_cli(server, "job", "job-nope")
+    assert proc.returncode == EXIT_NOT_FOUND
+    assert proc.stderr.strip() == "gpusnap: error: no job job-nope"
+    proc = run_cli(server, "show", "ckpt-nope", "--json")
+    assert proc.returncode == EXIT_NOT_FOUND
+    assert _json(proc)["kind"] == "not_found"
+
+
+def test_ls_show_workloads_status(server: Path, service: FakeService) -> None:
+    listed = _json(run_cli(server, "ls", "--workload", "llm", "--json"))["checkpoints"]
+    assert listed[0]["checkpoint_id"] == "ckpt-1"
+    assert service.calls[-1] == ("list_checkpoints", {"workload": "llm"})
+    table = run_cli(server, "ls").stdout.splitlines()
+    assert table[0].split()[:2] == ["ID", "WORKLOAD"] and table[1].split()[:2] == ["ckpt-1", "llm"]
+    shown = _json(run_cli(server, "show", "ckpt-1", "--json"))
+    assert shown["stamp"]["model"]["revision"] == "abc123"
+    assert "ckpt-1" in run_cli(server, "show", "ckpt-1").stdout
+    workloads = _json(run_cli(server, "workloads", "--json"))["workloads"]
+    assert workloads[0]["name"] == "llm"
+    assert run_cli(server, "workloads").stdout.splitlines()[1].startswith("llm")
+    status = _json(run_cli(server, "status", "--json"))
+    assert status["version"] == "0.1.0"
+    assert "jobs_running: 0" in run_cli(server, "status").stdout
+
+
+def test_socket_from_environment(server: Path) -> None:
+    proc = run_cli(None, "status", "--json", env={"GPUSNAP_SOCKET": str(server)})
+    assert proc.returncode == 0, proc.stderr
+    assert _json(proc)["version"] == "0.1.0"
+
+
+def test_missing_socket_is_exit_5_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "nobody-home.sock"
+    proc = run_cli(path, "status")
+    assert proc.returncode == EXIT_DAEMON_UNREACHABLE
+    assert proc.stdout == ""
+    assert proc.stderr == (
+        f"gpusnap: error: cannot reach gpusnapd at unix:{path}: No such file or directory\n"
+    )
+    proc = run_cli(path, "checkpoint", "--workload", "llm", "--json")
+    assert proc.returncode == EXIT_DAEMON_UNREACHABLE
+    assert _json(proc)["exit_code"] == EXIT_DAEMON_UNREACHABLE
+
+
+def test_refused_socket_is_exit_5(tmp_path: Path) -> None:
+    path = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))  # bound, never listening: what a crashed daemon leaves behind
+    try:
+        proc = run_cli(path, "jobs")
+    finally:
+        s.close()
+    assert proc.returncode == EXIT_DAEMON_UNREACHABLE
+    assert proc.stderr.strip() == (
+        f"gpusnap: error: cannot reach gpusnapd at unix:{path}: Connection refused"
+    )
+
+
+@pytest.mark.skipif(
+    Path("/run/gpusnap/gpusnapd.sock").exists(), reason="a gpusnapd is installed and running here"
+)
+def test_default_socket_path_is_named() -> None:
+    proc = run_cli(None, "status", env={"GPUSNAP_SOCKET": ""})
+    # /run/gpusnap/gpusnapd.sock does not exist on a test machine (or is not ours).
+    assert proc.returncode == EXIT_DAEMON_UNREACHABLE
+    assert "cannot reach gpusnapd at unix:/run/gpusnap/gpusnapd.sock: " in proc.stderr
