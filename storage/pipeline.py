@@ -13,7 +13,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +118,35 @@ class _Run:
             raise self.error
 
 
+@dataclass
+class PushInput:
+    """One entry to push: a file, or a stream (``storage.streams``) that has no file."""
+
+    path: str  # relative, POSIX
+    size: int
+    mode: int
+    chunks: Callable[[], Generator[memoryview, None, None]]  # in order; caller releases
+
+
+def file_input(src: SourceFile, chunker: Chunker) -> PushInput:
+    def chunks() -> Generator[memoryview, None, None]:
+        if src.size == 0:
+            return
+        try:
+            view = chunker.open_view(src.abs_path)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {src.abs_path}: {exc.strerror}") from exc
+        try:
+            if len(view) != src.size:
+                raise InvalidArgument(f"{src.abs_path} changed size while being pushed")
+            for offset, length in chunker.cut(view):
+                yield view[offset : offset + length]
+        finally:
+            view.release()  # the map goes away when the last slice is released
+
+    return PushInput(src.path, src.size, src.mode, chunks)
+
+
 def push_files(
     files: list[SourceFile],
     *,
@@ -132,7 +161,37 @@ def push_files(
     progress: ProgressFn | None,
 ) -> tuple[list[FileEntry], PushStats]:
     """Chunk, dedup and upload ``files``; return their entries once every put has returned."""
-    stats = PushStats(bytes_total=sum(f.size for f in files))
+    return push_inputs(
+        [file_input(f, chunker) for f in files],
+        backend=backend,
+        codec=codec,
+        index=index,
+        executor=executor,
+        io_executor=io_executor,
+        budget_bytes=budget_bytes,
+        compress=compress,
+        progress=progress,
+    )
+
+
+def push_inputs(
+    inputs: list[PushInput],
+    *,
+    backend: Backend,
+    codec: ChunkCodec,
+    index: ChunkIndex,
+    executor: ThreadPoolExecutor,
+    io_executor: ThreadPoolExecutor,
+    budget_bytes: int,
+    compress: bool,
+    progress: ProgressFn | None,
+) -> tuple[list[FileEntry], PushStats]:
+    """Chunk, dedup and upload ``inputs`` (files or streams), in order.
+
+    Returns their entries once every put has returned. A stream is consumed exactly once,
+    by the calling thread; an error it raises aborts the push like any other.
+    """
+    stats = PushStats(bytes_total=sum(f.size for f in inputs))
     budget = ByteBudget(budget_bytes)
     run = _Run()
     seen: set[str] = set()  # dedup within this push, including chunks still uploading
@@ -187,27 +246,22 @@ def push_files(
         if progress is not None:
             progress(stats.bytes_done, stats.bytes_total)
 
-    pending: list[tuple[SourceFile, list[Future[ChunkRef]]]] = []
+    pending: list[tuple[PushInput, list[Future[ChunkRef]]]] = []
     try:
-        for src in files:
+        for src in inputs:
             futures: list[Future[ChunkRef]] = []
             pending.append((src, futures))
-            if src.size == 0:
-                continue
-            try:
-                view = chunker.open_view(src.abs_path)
-            except OSError as exc:
-                raise InvalidArgument(f"cannot read {src.abs_path}: {exc.strerror}") from exc
-            try:
-                if len(view) != src.size:
-                    raise InvalidArgument(f"{src.abs_path} changed size while being pushed")
-                for offset, length in chunker.cut(view):
-                    budget.acquire(length, run.abort)
-                    run.check()
-                    futures.append(executor.submit(task, view[offset : offset + length], length))
+            with contextlib.closing(src.chunks()) as chunks:
+                for chunk in chunks:
+                    length = len(chunk)
+                    try:
+                        budget.acquire(length, run.abort)
+                        run.check()
+                    except BaseException:
+                        chunk.release()
+                        raise
+                    futures.append(executor.submit(task, chunk, length))
                     report()
-            finally:
-                view.release()  # the map goes away when the last slice is released
         for _src, futures in pending:
             for fut in futures:
                 try:
@@ -223,7 +277,11 @@ def push_files(
                 continue
             report()
         run.check()
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, GpusnapError):
+            # First error wins: the caller's own (e.g. ``Cancelled`` from the progress
+            # callback) must not be replaced by a worker's secondary "aborted".
+            run.fail(exc)
         run.abort.set()
         all_futures: list[Future[Any]] = [f for _src, futs in pending for f in futs]
         for fut in all_futures:
@@ -410,3 +468,55 @@ def pull_files(
             raise InvalidArgument(f"cannot write into {dest}: {exc.strerror}") from exc
         raise
     return stats
+
+
+def read_entry(
+    entry: FileEntry,
+    *,
+    backend: Backend,
+    codec: ChunkCodec,
+    executor: ThreadPoolExecutor,
+    budget_bytes: int,
+) -> Iterator[tuple[int, bytes | memoryview]]:
+    """``(offset, bytes)`` of one entry's chunks, in order, each verified before it is given.
+
+    Chunks are fetched ahead in parallel, at most ``budget_bytes`` of them (and always at
+    least one) at a time, so memory stays bounded whatever the entry's size. Nothing is
+    written anywhere: a restore can fill mapped device memory straight from this.
+    """
+
+    def fetch(chunk_id: str, size: int) -> bytes | memoryview:
+        try:
+            obj = backend.get(chunk_key(chunk_id))
+        except NotFound as exc:
+            raise Corrupt(f"chunk {chunk_id} is missing from the store ({exc})") from None
+        content = codec.decode(chunk_id, obj)
+        _check_size(chunk_id, content, size)
+        return content
+
+    window: list[tuple[int, int, Future[bytes | memoryview]]] = []
+    in_flight = 0
+    offset = 0
+    refs = iter(entry.chunks)
+    try:
+        while True:
+            for ref in refs:
+                window.append((offset, ref.size, executor.submit(fetch, ref.id, ref.size)))
+                offset += ref.size
+                in_flight += ref.size
+                if in_flight >= budget_bytes:
+                    break
+            if not window:
+                return
+            at, size, fut = window.pop(0)
+            try:
+                content = fut.result()
+            except GpusnapError:
+                raise
+            except BaseException as exc:
+                raise _translate(exc, f"reading {entry.path}") from exc
+            in_flight -= size
+            yield at, content
+    finally:
+        for _at, _size, fut in window:
+            fut.cancel()

@@ -22,8 +22,9 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,25 @@ from gpusnap.storage.manifest import (
 from gpusnap.storage.pipeline import (
     CHUNK_PREFIX,
     ProgressFn,
+    PushInput,
     PushStats,
     SourceFile,
     chunk_id_of_key,
     chunk_key,
+    file_input,
     pull_files,
     push_files,
+    push_inputs,
+    read_entry,
+)
+from gpusnap.storage.streams import (
+    STREAMS_EXTRA_KEY,
+    StreamSource,
+    UploadedStreams,
+    check_stream_path,
+    cut_stream,
+    stream_kinds,
+    streams_extra,
 )
 
 log = logging.getLogger(__name__)
@@ -272,18 +286,32 @@ class CheckpointStore:
         compress: bool | None = None,
         checkpoint_id: str | None = None,
         extra: dict[str, Any] | None = None,
+        streams: Mapping[str, StreamSource] | None = None,
+        uploaded_streams: UploadedStreams | None = None,
     ) -> PushResult:
-        """Upload the tree ``src`` as a new checkpoint; the manifest is committed last."""
+        """Upload the tree ``src`` as a new checkpoint; the manifest is committed last.
+
+        ``streams`` adds virtual files whose bytes come from a stream (``storage.streams``),
+        uploaded in the same run; ``uploaded_streams`` adds streams ``upload_streams``
+        already put in the store. Both become ordinary file entries, named in
+        ``extra["streams"]`` with their kind; a path may not also be a file under ``src``.
+        """
         started = time.monotonic()
         check_workload(workload)
         if parent is not None:
             check_checkpoint_id(parent)
         checkpoint_id = check_checkpoint_id(checkpoint_id) if checkpoint_id else new_checkpoint_id()
-        if self._signer is None and self.verify_manifests:
-            raise FailedPrecondition("pushing needs a signing key file (or verification off)")
-        if self._signer is not None and self._signer.private_key is None:
-            raise FailedPrecondition("signing needs the private key; this key file is public only")
+        self._check_can_sign()
         files = _walk(src)
+        stream_inputs, kinds = self._stream_inputs(streams, {f.path for f in files})
+        if uploaded_streams is not None:
+            taken = {f.path for f in files} | set(kinds)
+            for entry in uploaded_streams.entries:
+                if entry.path in taken:
+                    raise InvalidArgument(f"stream {entry.path!r} collides with another entry")
+            kinds.update(uploaded_streams.kinds)
+        if kinds and extra is not None and STREAMS_EXTRA_KEY in extra:
+            raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
         created_at = time.time()
         lock = _LockHolder(
             self.backend,
@@ -294,18 +322,44 @@ class CheckpointStore:
         lock.start()
         try:
             self._sync_index_if_gc_ran()
-            entries, stats = self._upload(files, compress, progress)
+            if stream_inputs:
+                entries, stats = self._upload_inputs(
+                    [file_input(f, self._chunker) for f in files] + stream_inputs,
+                    compress,
+                    progress,
+                )
+            else:
+                entries, stats = self._upload(files, compress, progress)
+            if uploaded_streams is not None:
+                entries = entries + uploaded_streams.entries
+                stats.bytes_total += uploaded_streams.bytes_total
+                stats.chunks_total += uploaded_streams.chunks_total
+                stats.bytes_uploaded += uploaded_streams.bytes_uploaded
+                stats.chunks_uploaded += uploaded_streams.chunks_uploaded
             # A gc that may have swept while this push ran could have removed chunks the index
             # said were there: wait for it, re-list, and upload whatever is missing.
             if self._sync_index_if_gc_ran(wait_for_running=True):
                 missing = {c.id for e in entries for c in e.chunks if not self.index.contains(c.id)}
+                lost = sorted(
+                    e.path
+                    for e in entries
+                    if e.path in kinds and missing & {c.id for c in e.chunks}
+                )
+                if lost:
+                    # A stream cannot be read twice (GPU memory is gone once copied).
+                    raise Unavailable(
+                        f"a gc removed chunks of stream {lost[0]} while it was pushed; "
+                        f"checkpoint {checkpoint_id} not committed"
+                    )
                 if missing:
+                    streamed = [e for e in entries if e.path in kinds]
                     log.info(
                         "a gc removed %d chunks push %s needs; uploading them again",
                         len(missing),
                         checkpoint_id,
                     )
                     entries, again = self._upload(files, compress, None)
+                    entries = entries + streamed
                     stats.bytes_uploaded += again.bytes_uploaded
                     stats.chunks_uploaded += again.chunks_uploaded
             seconds = time.monotonic() - started
@@ -324,7 +378,7 @@ class CheckpointStore:
                     "chunks_new": stats.chunks_uploaded,
                     "seconds": round(seconds, 3),
                 },
-                extra=extra or {},
+                extra=_with_streams(extra, kinds),
             )
             blob = seal(
                 ENVELOPE_FORMAT,
@@ -358,6 +412,76 @@ class CheckpointStore:
             stats.chunks_total,
             stats.chunks_uploaded,
             seconds,
+        )
+
+    def _check_can_sign(self) -> None:
+        if self._signer is None and self.verify_manifests:
+            raise FailedPrecondition("pushing needs a signing key file (or verification off)")
+        if self._signer is not None and self._signer.private_key is None:
+            raise FailedPrecondition("signing needs the private key; this key file is public only")
+
+    def _stream_inputs(
+        self, streams: Mapping[str, StreamSource] | None, taken: Collection[str]
+    ) -> tuple[builtins.list[PushInput], dict[str, str]]:
+        inputs: builtins.list[PushInput] = []
+        kinds: dict[str, str] = {}
+        for path, source in sorted((streams or {}).items()):
+            check_stream_path(path)
+            if path in taken:
+                raise InvalidArgument(f"stream {path!r} collides with a file of the same name")
+            if source.size < 0:
+                raise InvalidArgument(f"stream {path!r} declares a negative size")
+            kinds[path] = source.kind
+
+            def chunks(
+                path: str = path, source: StreamSource = source
+            ) -> Generator[memoryview, None, None]:
+                return cut_stream(self._chunker, source, path)
+
+            inputs.append(PushInput(path, source.size, source.mode & 0o777, chunks))
+        return inputs, kinds
+
+    def upload_streams(
+        self,
+        streams: Mapping[str, StreamSource],
+        *,
+        compress: bool | None = None,
+        progress: ProgressFn | None = None,
+    ) -> UploadedStreams:
+        """Put the chunks of ``streams`` in the store now; a later ``push`` names them.
+
+        For data that must leave its source before the rest of the checkpoint exists (GPU
+        memory copied with custom storage, before CRIU dumps the process). No manifest is
+        written: pass the result to ``push(..., uploaded_streams=...)``.
+        """
+        started = time.monotonic()
+        self._check_can_sign()
+        inputs, kinds = self._stream_inputs(streams, ())
+        self._sync_index_if_gc_ran()
+        entries, stats = self._upload_inputs(inputs, compress, progress)
+        return UploadedStreams(
+            entries=entries,
+            kinds=kinds,
+            bytes_total=stats.bytes_total,
+            bytes_uploaded=stats.bytes_uploaded,
+            chunks_total=stats.chunks_total,
+            chunks_uploaded=stats.chunks_uploaded,
+            seconds=time.monotonic() - started,
+        )
+
+    def _upload_inputs(
+        self, inputs: builtins.list[PushInput], compress: bool | None, progress: ProgressFn | None
+    ) -> tuple[builtins.list[FileEntry], PushStats]:
+        return push_inputs(
+            inputs,
+            backend=self.backend,
+            codec=self._codec,
+            index=self.index,
+            executor=self._executor,
+            io_executor=self._io_executor,
+            budget_bytes=self._budget,
+            compress=compress is not False,
+            progress=progress,
         )
 
     def _upload(
@@ -503,11 +627,26 @@ class CheckpointStore:
     # --- pull ---------------------------------------------------------------------------
 
     def pull(
-        self, checkpoint_id: str, dest: Path, *, progress: ProgressFn | None = None
+        self,
+        checkpoint_id: str,
+        dest: Path,
+        *,
+        progress: ProgressFn | None = None,
+        exclude_kinds: Collection[str] = (),
     ) -> PullResult:
-        """Restore a checkpoint's files under ``dest`` (all or nothing)."""
+        """Restore a checkpoint's files under ``dest`` (all or nothing).
+
+        Entries pushed as streams of a kind in ``exclude_kinds`` are left out (read them
+        with ``open_stream``); by default every entry is written as a file.
+        """
         started = time.monotonic()
         manifest = self.manifest(checkpoint_id)
+        if exclude_kinds:
+            kinds = stream_kinds(manifest)
+            left_out = {p for p, k in kinds.items() if k in exclude_kinds}
+            manifest = replace(
+                manifest, files=[f for f in manifest.files if f.path not in left_out]
+            )
         stats = pull_files(
             manifest,
             dest,
@@ -523,6 +662,27 @@ class CheckpointStore:
             stats.bytes_fetched,
             stats.chunks_total,
             time.monotonic() - started,
+        )
+
+    def open_stream(
+        self, checkpoint: str | Manifest, path: str
+    ) -> Iterator[tuple[int, bytes | memoryview]]:
+        """``(offset, bytes)`` of one entry of a checkpoint, in order, each chunk verified.
+
+        ``checkpoint`` is an id or a manifest already fetched (and so authenticated) by
+        ``manifest``. Fetches run ahead in parallel within the store's memory budget; nothing
+        is written to disk. A missing entry is ``NotFound``; a bad chunk ``Corrupt``.
+        """
+        manifest = self.manifest(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        entry = next((f for f in manifest.files if f.path == path), None)
+        if entry is None:
+            raise NotFound(f"checkpoint {manifest.checkpoint_id} has no entry {path!r}")
+        return read_entry(
+            entry,
+            backend=self.backend,
+            codec=self._codec,
+            executor=self._io_executor,
+            budget_bytes=self._budget,
         )
 
     # --- verify -------------------------------------------------------------------------
@@ -709,6 +869,13 @@ class CheckpointStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _with_streams(extra: dict[str, Any] | None, kinds: Mapping[str, str]) -> dict[str, Any]:
+    out = dict(extra or {})
+    if kinds:
+        out[STREAMS_EXTRA_KEY] = streams_extra(kinds)
+    return out
 
 
 def _walk(src: Path) -> list[SourceFile]:

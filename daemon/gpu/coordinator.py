@@ -8,6 +8,10 @@ decides which to make and in what order:
   what is CHECKPOINTED, unlock what is LOCKED) so the workload runs on, and say so.
 - thaw (leave-running): restore all, then unlock all.
 - restore (after CRIU restore): check free memory, restore each with GPU UUID pairs, unlock all.
+
+Where the driver offers custom storage and the caller hands ``freeze`` a store, each process's
+device memory is copied by the daemon straight into the store (``devmem``) instead of being
+staged in the process's host memory; ``restore`` then fills it back from the store.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gpusnap.daemon.gpu import devmem
 from gpusnap.daemon.gpu.compat import gpu_compat_reasons, target_devices
 from gpusnap.daemon.gpu.inventory import (
     CHECKPOINT_API_MIN,
@@ -26,6 +31,7 @@ from gpusnap.daemon.gpu.inventory import (
     cuda_version_text,
     parse_nvrm_version,
 )
+from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.gpu.worker import CallFailed, GpuWorker
 from gpusnap.daemon.model import Reason
 from gpusnap.storage.errors import (
@@ -35,11 +41,23 @@ from gpusnap.storage.errors import (
     Unavailable,
     Unsupported,
 )
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, UploadedStreams
+
+if TYPE_CHECKING:
+    from gpusnap.storage.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
 DRIVER_ENV = "GPUSNAP_GPU_DRIVER"
 NO_CUDA_STATE = "CUDA_ERROR_NOT_INITIALIZED"
+HOST_STAGED = "host-staged"
+CUSTOM_STORAGE = "custom-storage"
+# The ring of pinned host buffers for custom storage: 8 slots of 32 MiB, i.e. 4 copies of
+# 32 MiB in flight on 4 streams while the daemon works through the other 4 (see the
+# throughput notes in docs/gpu.md).
+RING_SLOTS = 8
+RING_SLOT_BYTES = 32 * 1024 * 1024
 
 
 @dataclass
@@ -50,36 +68,70 @@ class GpuFreeze:
     bytes_per_device: dict[str, int] = field(default_factory=dict)
     lock_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
+    memory_copy: str = HOST_STAGED
+    # Custom storage: one entry per process and device ({pid, position, uuid, path, size}),
+    # and the streams already in the store, for ``CheckpointStore.push(uploaded_streams=)``.
+    memory_files: list[dict[str, Any]] = field(default_factory=list)
+    uploaded_streams: UploadedStreams | None = None
+    store: CheckpointStore | None = field(default=None, repr=False)
 
     def to_stamp(self) -> dict[str, Any]:
         """Fields merged into the stamp's ``gpu`` section (none collide with ``stamp()``)."""
-        return {
+        out: dict[str, Any] = {
             "cuda_pids": list(self.cuda_pids),
             "bytes_per_device": dict(self.bytes_per_device),
             "bytes_total": sum(self.bytes_per_device.values()),
             "lock_seconds": self.lock_seconds,
             "checkpoint_seconds": self.checkpoint_seconds,
+            "memory_copy": self.memory_copy,
         }
+        if self.memory_files:
+            out["memory_files"] = [dict(m) for m in self.memory_files]
+        return out
 
 
 class GpuCoordinator:
     """The daemon's one entry point to GPU state. Thread-safe: calls are serialised."""
 
-    def __init__(self, worker: GpuWorker, *, lock_timeout_ms: int = 10000) -> None:
+    def __init__(
+        self,
+        worker: GpuWorker,
+        *,
+        lock_timeout_ms: int = 10000,
+        custom_storage: bool = True,
+        ring_slots: int = RING_SLOTS,
+        ring_slot_bytes: int = RING_SLOT_BYTES,
+    ) -> None:
         self._worker = worker
         self.lock_timeout_ms = lock_timeout_ms
+        self.custom_storage = custom_storage  # use it where the driver offers it
+        self.ring_slots = ring_slots
+        self.ring_slot_bytes = ring_slot_bytes
         self._caps: dict[str, Any] | None = None
 
     @classmethod
     def create(
-        cls, *, driver: str = "cuda", call_timeout_s: float = 30.0, lock_timeout_ms: int = 10000
+        cls,
+        *,
+        driver: str = "cuda",
+        call_timeout_s: float = 30.0,
+        lock_timeout_ms: int = 10000,
+        custom_storage: bool = True,
+        ring_slots: int = RING_SLOTS,
+        ring_slot_bytes: int = RING_SLOT_BYTES,
     ) -> GpuCoordinator:
         """``driver`` is "cuda" or "module:<import path>"; $GPUSNAP_GPU_DRIVER overrides "cuda"."""
         if driver == "cuda":
             driver = os.environ.get(DRIVER_ENV, "") or "cuda"
         if driver != "cuda" and not driver.startswith("module:"):
             raise InvalidArgument(f"unknown GPU driver {driver!r}: use 'cuda' or 'module:<path>'")
-        return cls(GpuWorker(driver, call_timeout_s), lock_timeout_ms=lock_timeout_ms)
+        return cls(
+            GpuWorker(driver, call_timeout_s),
+            lock_timeout_ms=lock_timeout_ms,
+            custom_storage=custom_storage,
+            ring_slots=ring_slots,
+            ring_slot_bytes=ring_slot_bytes,
+        )
 
     def close(self) -> None:
         self._worker.close()
@@ -149,7 +201,18 @@ class GpuCoordinator:
         here = self.stamp()
         if not gpu_stamp.get("present") or not here.get("present"):
             return gpu_compat_reasons(gpu_stamp, here, {}, gpu_map)
-        return gpu_compat_reasons(gpu_stamp, here, self._free_by_uuid(), gpu_map)
+        reasons = gpu_compat_reasons(gpu_stamp, here, self._free_by_uuid(), gpu_map)
+        if gpu_stamp.get("memory_copy") == CUSTOM_STORAGE and not here.get("custom_storage"):
+            reasons.append(
+                Reason(
+                    "gpu.custom_storage",
+                    "true",
+                    "false",
+                    "the checkpoint's GPU memory was copied with custom storage and only a "
+                    "driver with custom storage can put it back; this node's driver has none",
+                )
+            )
+        return reasons
 
     # -- per-pid helpers --------------------------------------------------------------
 
@@ -174,8 +237,23 @@ class GpuCoordinator:
 
     # -- freeze / thaw ------------------------------------------------------------------
 
-    def freeze(self, pids: list[int], *, lock_timeout_ms: int | None = None) -> GpuFreeze:
-        """Lock every CUDA process among ``pids``, then checkpoint each. Rolls back on failure."""
+    def uses_custom_storage(self) -> bool:
+        """Whether a freeze given a store copies device memory itself (custom storage)."""
+        return self.custom_storage and bool(self.capabilities()["custom_storage"])
+
+    def freeze(
+        self,
+        pids: list[int],
+        *,
+        lock_timeout_ms: int | None = None,
+        store: CheckpointStore | None = None,
+    ) -> GpuFreeze:
+        """Lock every CUDA process among ``pids``, then checkpoint each. Rolls back on failure.
+
+        Given a ``store`` and a driver with custom storage, each process's device memory is
+        copied into the store (``GpuFreeze.uploaded_streams``) rather than staged by the
+        driver in the process's host memory.
+        """
         caps = self.capabilities()
         if not caps["driver_present"]:
             return GpuFreeze(cuda_pids=[])
@@ -197,7 +275,17 @@ class GpuCoordinator:
             cuda_pids.append(pid)
         if not cuda_pids:
             return GpuFreeze(cuda_pids=[])
-        log.info("freezing GPU state of processes %s", cuda_pids)
+        custom = store is not None and self.uses_custom_storage()
+        log.info(
+            "freezing GPU state of processes %s (%s)",
+            cuda_pids,
+            CUSTOM_STORAGE if custom else HOST_STAGED,
+        )
+        freeze = GpuFreeze(
+            cuda_pids=cuda_pids,
+            memory_copy=CUSTOM_STORAGE if custom else HOST_STAGED,
+            store=store if custom else None,
+        )
         try:
             before = self._free_by_uuid()
             started = time.monotonic()
@@ -206,29 +294,87 @@ class GpuCoordinator:
                     "lock", pid, timeout_ms, timeout_s=self._lock_call_timeout(timeout_ms)
                 )
             locked = time.monotonic()
-            for pid in cuda_pids:
-                self._worker.call("checkpoint", pid)
+            if custom:
+                assert store is not None
+                with HostRing(self.ring_slots, self.ring_slot_bytes) as ring:
+                    try:
+                        for pid in cuda_pids:
+                            self._checkpoint_to_store(pid, store, ring, freeze)
+                    finally:
+                        self._detach(ring)
+            else:
+                for pid in cuda_pids:
+                    self._worker.call("checkpoint", pid)
             done = time.monotonic()
             after = self._free_by_uuid()
         except GpusnapError as err:
-            outcome = self._roll_back(cuda_pids)
+            outcome = self._roll_back(cuda_pids, freeze)
             raise type(err)(f"GPU freeze failed: {err}; {outcome}") from err
-        # The driver reports no sizes on the host-staged path: what the checkpoint released
-        # on each GPU is what it holds.
-        per_device = {uuid: max(0, after.get(uuid, 0) - free) for uuid, free in before.items()}
-        return GpuFreeze(
-            cuda_pids=cuda_pids,
-            bytes_per_device=per_device,
-            lock_seconds=locked - started,
-            checkpoint_seconds=done - locked,
-        )
+        if custom:
+            per_device: dict[str, int] = {}
+            for m in freeze.memory_files:
+                per_device[m["uuid"]] = per_device.get(m["uuid"], 0) + int(m["size"])
+        else:
+            # The driver reports no sizes on the host-staged path: what the checkpoint
+            # released on each GPU is what it holds.
+            per_device = {uuid: max(0, after.get(uuid, 0) - free) for uuid, free in before.items()}
+        freeze.bytes_per_device = per_device
+        freeze.lock_seconds = locked - started
+        freeze.checkpoint_seconds = done - locked
+        return freeze
 
-    def _roll_back(self, pids: list[int]) -> str:
+    def _detach(self, ring: HostRing) -> None:
+        try:
+            self._worker.call("ring_detach", ring.name)
+        except GpusnapError as err:
+            log.info("could not detach ring %s from the GPU worker: %s", ring.name, err)
+
+    def _checkpoint_to_store(
+        self, pid: int, store: CheckpointStore, ring: HostRing, freeze: GpuFreeze
+    ) -> None:
+        """Custom storage: map ``pid``'s device memory, stream it into ``store``, complete."""
+        self._worker.call("ring_attach", ring.name, ring.size)
+        info = dict(self._worker.call("checkpoint_custom_storage", pid))
+        handle = int(info["handle"])
+        log.info("copying GPU memory of process %d (%s)", pid, devmem.describe(info))
+        streams: dict[str, StreamSource] = {}
+        files: list[dict[str, Any]] = []
+        for position, dev in enumerate(info["devices"]):
+            size = int(dev["size"])
+            path = devmem.memory_path(pid, position, str(dev["uuid"]))
+            buffers = devmem.read_device(self._worker, ring, handle, position, size)
+            streams[path] = StreamSource(size, buffers, GPU_MEMORY_KIND)
+            files.append(
+                {"pid": pid, "position": position, "uuid": dev["uuid"], "path": path, "size": size}
+            )
+        try:
+            uploaded = store.upload_streams(streams)
+        except GpusnapError:
+            # Completing now would let the driver drop memory that is not safely stored:
+            # kill the worker instead, which drops its mappings (the driver is assumed to
+            # abandon the operation; unverified on hardware).
+            self._worker.kill()
+            raise
+        self._worker.call("operation_complete", handle)
+        freeze.memory_files.extend(files)
+        if freeze.uploaded_streams is None:
+            freeze.uploaded_streams = uploaded
+        else:
+            freeze.uploaded_streams.merge(uploaded)
+
+    def _roll_back(self, pids: list[int], freeze: GpuFreeze | None = None) -> str:
         """Put every process back to RUNNING by its current state; say how that went."""
         problems: list[str] = []
         states = self._states(pids)
+        in_store = {int(m["pid"]) for m in freeze.memory_files} if freeze is not None else set()
+        if in_store and freeze is not None:
+            # Their device memory exists only in the store now: put it back from there.
+            try:
+                self._thaw_from_store(freeze, [p for p in pids if p in in_store])
+            except GpusnapError as err:
+                problems.append(str(err))
         for pid in pids:
-            if states[pid] == "CHECKPOINTED":
+            if states[pid] == "CHECKPOINTED" and pid not in in_store:
                 try:
                     self._worker.call("restore", pid, None)
                 except GpusnapError as err:
@@ -250,7 +396,31 @@ class GpuCoordinator:
 
     def thaw(self, freeze: GpuFreeze) -> None:
         """Leave-running: restore every frozen process, then unlock every one."""
+        if freeze.memory_copy == CUSTOM_STORAGE and freeze.memory_files:
+            try:
+                self._thaw_from_store(freeze, freeze.cuda_pids)
+            except GpusnapError as err:
+                now = self._states(freeze.cuda_pids)
+                where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
+                raise type(err)(f"GPU thaw failed: {err}; {where}") from err
         self._resume(freeze.cuda_pids, None, "thaw")
+
+    def _thaw_from_store(self, freeze: GpuFreeze, pids: list[int]) -> None:
+        """Custom storage put the memory in the store only: fill it back from there."""
+        if freeze.store is None or freeze.uploaded_streams is None:
+            raise FailedPrecondition("the frozen GPU memory is in no store; cannot thaw")
+        staged = Manifest(
+            checkpoint_id="(not yet committed)",
+            workload="gpu-freeze",
+            created_at=time.time(),
+            parent=None,
+            stamp={},
+            spec={},
+            files=list(freeze.uploaded_streams.entries),
+            totals={},
+            extra={},
+        )
+        self._restore_from_store(pids, freeze.memory_files, None, freeze.store, staged)
 
     def _resume(self, pids: list[int], pairs: list[list[str]] | None, what: str) -> None:
         states = {pid: self._state(pid) for pid in pids}
@@ -294,9 +464,19 @@ class GpuCoordinator:
         return pairs
 
     def restore(
-        self, pids: list[int], gpu_stamp: dict[str, Any], *, gpu_map: dict[str, str] | None = None
+        self,
+        pids: list[int],
+        gpu_stamp: dict[str, Any],
+        *,
+        gpu_map: dict[str, str] | None = None,
+        store: CheckpointStore | None = None,
+        manifest: Manifest | None = None,
     ) -> None:
-        """After CRIU restore: put the processes' GPU state back (UUID-remapped), then unlock."""
+        """After CRIU restore: put the processes' GPU state back (UUID-remapped), then unlock.
+
+        A checkpoint taken with custom storage needs its ``store`` and ``manifest``: the device
+        memory is read from there straight into the memory the driver maps for the restore.
+        """
         caps = self.capabilities()
         if not gpu_stamp.get("present"):
             return
@@ -315,7 +495,92 @@ class GpuCoordinator:
                 + "; ".join(r.message for r in memory)
             )
         cuda_pids = [pid for pid in pids if self._state(pid) is not None]
+        if gpu_stamp.get("memory_copy") == CUSTOM_STORAGE:
+            files = list(gpu_stamp.get("memory_files") or [])
+            self._restore_from_store(cuda_pids, files, pairs, store, manifest)
         self._resume(cuda_pids, pairs, "restore")
+
+    def _restore_from_store(
+        self,
+        pids: list[int],
+        memory_files: list[dict[str, Any]],
+        pairs: list[list[str]] | None,
+        store: CheckpointStore | None,
+        manifest: Manifest | None,
+    ) -> None:
+        """Custom storage: restore each process with its memory mapped here, fill it, complete.
+
+        Leaves every process LOCKED for ``_resume`` to unlock.
+        """
+        if store is None or manifest is None:
+            raise FailedPrecondition(
+                "the checkpoint's GPU memory is in the store (custom storage); the restore "
+                "needs the store and manifest; processes stay CHECKPOINTED"
+            )
+        if not self.capabilities()["custom_storage"]:
+            raise Unsupported(
+                "the checkpoint's GPU memory was copied with custom storage; this node's "
+                "driver has none; processes stay CHECKPOINTED"
+            )
+        mapping = {old: new for old, new in pairs} if pairs else {}
+        files: dict[tuple[int, str], dict[str, Any]] = {}
+        for m in memory_files:
+            new_uuid = mapping.get(str(m["uuid"]), str(m["uuid"]))
+            files[(int(m["pid"]), new_uuid)] = m
+        with HostRing(self.ring_slots, self.ring_slot_bytes) as ring:
+            try:
+                self._worker.call("ring_attach", ring.name, ring.size)
+                for pid in pids:
+                    if self._state(pid) != "CHECKPOINTED":
+                        continue
+                    self._fill_from_store(
+                        pid, files=files, pairs=pairs, store=store, manifest=manifest, ring=ring
+                    )
+            except GpusnapError as err:
+                now = self._states(pids)
+                where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
+                raise type(err)(f"GPU restore failed: {err}; {where}") from err
+            finally:
+                self._detach(ring)
+
+    def _fill_from_store(
+        self,
+        pid: int,
+        *,
+        files: dict[tuple[int, str], dict[str, Any]],
+        pairs: list[list[str]] | None,
+        store: CheckpointStore,
+        manifest: Manifest,
+        ring: HostRing,
+    ) -> None:
+        info = dict(self._worker.call("restore_custom_storage", pid, pairs))
+        handle = int(info["handle"])
+        try:
+            for position, dev in enumerate(info["devices"]):
+                found = files.get((pid, str(dev["uuid"])))
+                if found is None:
+                    raise FailedPrecondition(
+                        f"the checkpoint holds no GPU memory of process {pid} for GPU {dev['uuid']}"
+                    )
+                if int(found["size"]) != int(dev["size"]):
+                    raise FailedPrecondition(
+                        f"GPU {dev['uuid']} maps {dev['size']} bytes for process {pid}, the "
+                        f"checkpoint holds {found['size']}"
+                    )
+                devmem.fill_device(
+                    self._worker,
+                    ring,
+                    handle=handle,
+                    device=position,
+                    size=int(dev["size"]),
+                    chunks=store.open_stream(manifest, str(found["path"])),
+                )
+        except GpusnapError:
+            # Never complete a restore whose memory is not all there: drop the mappings
+            # (the driver is assumed to abandon the operation; unverified on hardware).
+            self._worker.kill()
+            raise
+        self._worker.call("operation_complete", handle)
 
 
 def _pids(pids: list[int]) -> str:

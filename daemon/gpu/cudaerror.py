@@ -28,6 +28,10 @@ CALL_NAMES: dict[str, str] = {
     "checkpoint_custom_storage": "cuCheckpointProcessCheckpoint(customStorageInfo_out)",
     "restore_custom_storage": "cuCheckpointProcessRestore(customStorageInfo_out)",
     "operation_complete": "cuCheckpointOperationComplete",
+    "ring_attach": "cuMemHostRegister",
+    "ring_detach": "cuMemHostUnregister",
+    "copy_out": "cuMemcpyDtoHAsync",
+    "copy_in": "cuMemcpyHtoDAsync",
     "custom_storage_supported": "cuGetProcAddress(cuCheckpointOperationComplete, 13040)",
     "driver_version": "cuDriverGetVersion",
     "driver_version_string": "/proc/driver/nvidia/version",
@@ -49,6 +53,8 @@ _KINDS: dict[str, type[GpusnapError]] = {
     "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": Unavailable,
     "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE": Unavailable,
     "CUDA_ERROR_OPERATING_SYSTEM": FailedPrecondition,  # e.g. no ptrace rights over the target
+    "CUDA_ERROR_INVALID_HANDLE": InvalidArgument,
+    "CUDA_ERROR_INVALID_CONTEXT": FailedPrecondition,  # custom storage without primary contexts
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from gpusnap.daemon.gpu.cudaerror import CudaError
+from gpusnap.daemon.gpu.ring import map_ring
 from gpusnap.storage.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ CUSTOM_STORAGE_ABI = 13040  # cuCheckpointOperationComplete first exists at CUDA
 
 _initialized = False
 _contexts: dict[int, Any] = {}  # ordinal -> retained primary context (released at exit)
-_operations: dict[int, Any] = {}  # custom-storage handle address -> CUcheckpointOperationHandle
+_operations: dict[int, tuple[Any, list[dict[str, Any]]]] = {}  # handle -> (op, devices)
 
 
 def _error_name(err: Any) -> str:
@@ -212,20 +213,46 @@ def custom_storage_supported() -> bool:
     return bool(err == cu.CUresult.CUDA_SUCCESS and int(pfn or 0) != 0 and status == found)
 
 
+def _device_of_stream(call: str, pid: int, stream: Any) -> tuple[Any, int]:
+    """The context and device ordinal of a custom-storage stream.
+
+    The mapped pointer carries no context attribute; the per-device stream does
+    (``cuStreamGetCtx``), and from it the device (``cuCtxGetDevice`` in that context).
+    """
+    ctx = _check(call, pid, cu.cuStreamGetCtx(stream))
+    _check(call, pid, cu.cuCtxSetCurrent(ctx))
+    dev = _check(call, pid, cu.cuCtxGetDevice())
+    return ctx, int(dev)
+
+
 def _storage_info(call: str, pid: int, info_ptr: ctypes.c_void_p) -> dict[str, Any]:
+    if not info_ptr.value:
+        raise CudaError(call, pid, "CUDA_ERROR_INVALID_VALUE")
     info = cu.CUcheckpointCustomStorageInfo(_ptr=info_ptr.value)
     handle_id = int(info.handle.getPtr())
-    _operations[handle_id] = info.handle
     per_device = info.perDeviceData
     entries = per_device if isinstance(per_device, list) else [per_device]
+    uuids = {d["index"]: d["uuid"] for d in devices()}
+    mapped: list[dict[str, Any]] = []
+    for entry in entries[: int(info.deviceCount)]:
+        ctx, ordinal = _device_of_stream(call, pid, entry.stream)
+        mapped.append(
+            {
+                "index": ordinal,
+                "uuid": uuids.get(ordinal),
+                "dev_ptr": int(entry.devPtr),
+                "size": int(entry.size),
+                "ctx": ctx,
+                "stream": entry.stream,
+            }
+        )
+    _operations[handle_id] = (info.handle, mapped)
     return {
         "handle": handle_id,
         "devices": [
-            {"dev_ptr": int(e.devPtr), "size": int(e.size), "stream": int(e.stream)}
-            for e in entries[: int(info.deviceCount)]
+            {"index": m["index"], "uuid": m["uuid"], "size": m["size"], "dev_ptr": m["dev_ptr"]}
+            for m in mapped
         ],
-        "call": call,
-        "pid": pid,
     }
 
 
@@ -257,8 +284,95 @@ def restore_custom_storage(
 
 
 def operation_complete(handle: int) -> None:
-    """Finish a custom-storage operation: CHECKPOINTING -> CHECKPOINTED, RESTORING -> LOCKED."""
-    op = _operations.pop(handle, None)
-    if op is None:
+    """Finish a custom-storage operation: CHECKPOINTING -> CHECKPOINTED, RESTORING -> LOCKED.
+
+    The driver first synchronises the streams it returned; this worker's own copy streams
+    were synchronised by every ``copy_out``/``copy_in`` already.
+    """
+    found = _operations.pop(handle, None)
+    if found is None:
         raise CudaError("operation_complete", None, "CUDA_ERROR_INVALID_HANDLE")
+    op, _mapped = found
     _check("operation_complete", None, cu.cuCheckpointOperationComplete(op))
+
+
+# -- copies through the shared ring (custom storage) ----------------------------------------
+
+COPY_STREAMS = 4  # per device; 2-4 streams of 32-64 MiB copies saturate H2D into the mapping
+_rings: dict[str, tuple[Any, int, int]] = {}  # name -> (mmap, host address, size)
+_copy_streams: dict[int, list[Any]] = {}  # device ordinal -> this worker's copy streams
+
+
+def ring_attach(name: str, size: int) -> None:
+    """Map the daemon's ring and page-lock it (``cuMemHostRegister``), once per ring."""
+    if name in _rings:
+        return
+    mapped = map_ring(name, int(size))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    flags = cu.CU_MEMHOSTREGISTER_PORTABLE
+    try:
+        _check("ring_attach", None, cu.cuMemHostRegister(address, int(size), flags))
+    except CudaError:
+        mapped.close()
+        raise
+    _rings[name] = (mapped, address, int(size))
+
+
+def ring_detach(name: str) -> None:
+    found = _rings.pop(name, None)
+    if found is None:
+        return
+    mapped, address, _size = found
+    try:
+        _check("ring_detach", None, cu.cuMemHostUnregister(address))
+    finally:
+        mapped.close()
+
+
+def _streams_for(ctx: Any, ordinal: int) -> list[Any]:
+    streams = _copy_streams.get(ordinal)
+    if streams is None:
+        _check("copy_out", None, cu.cuCtxSetCurrent(ctx))
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        streams = [_check("copy_out", None, cu.cuStreamCreate(flags)) for _ in range(COPY_STREAMS)]
+        _copy_streams[ordinal] = streams
+    return streams
+
+
+def _copy(call: str, handle: int, device: int, ring: str, copies: list[list[int]]) -> None:
+    found = _operations.get(handle)
+    if found is None:
+        raise CudaError(call, None, "CUDA_ERROR_INVALID_HANDLE")
+    _op, mapped = found
+    if not 0 <= device < len(mapped) or ring not in _rings:
+        raise CudaError(call, None, "CUDA_ERROR_INVALID_VALUE")
+    dev = mapped[device]
+    _mapped_ring, base, ring_size = _rings[ring]
+    streams = _streams_for(dev["ctx"], dev["index"])
+    _check(call, None, cu.cuCtxSetCurrent(dev["ctx"]))
+    used: list[Any] = []
+    for i, (ring_offset, dev_offset, nbytes) in enumerate(copies):
+        if ring_offset + nbytes > ring_size or dev_offset + nbytes > dev["size"] or nbytes < 0:
+            raise CudaError(call, None, "CUDA_ERROR_INVALID_VALUE")
+        stream = streams[i % len(streams)]
+        host = base + ring_offset
+        device_ptr = cu.CUdeviceptr(dev["dev_ptr"] + dev_offset)
+        if call == "copy_out":
+            _check(call, None, cu.cuMemcpyDtoHAsync(host, device_ptr, nbytes, stream))
+        else:
+            _check(call, None, cu.cuMemcpyHtoDAsync(device_ptr, host, nbytes, stream))
+        if stream not in used:
+            used.append(stream)
+    for stream in used:
+        _check(call, None, cu.cuStreamSynchronize(stream))
+
+
+def copy_out(handle: int, device: int, ring: str, copies: list[list[int]]) -> None:
+    """Copy ``[ring offset, device offset, bytes]`` ranges of mapped device memory into the
+    ring, spread over this worker's streams, and wait for all of them."""
+    _copy("copy_out", handle, device, ring, copies)
+
+
+def copy_in(handle: int, device: int, ring: str, copies: list[list[int]]) -> None:
+    """The reverse of ``copy_out``: ring ranges into the mapped memory of a restore."""
+    _copy("copy_in", handle, device, ring, copies)

@@ -30,6 +30,10 @@ CALLS = frozenset(
         "checkpoint_custom_storage",
         "restore_custom_storage",
         "operation_complete",
+        "ring_attach",
+        "ring_detach",
+        "copy_out",
+        "copy_in",
     }
 )
 

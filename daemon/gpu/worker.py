@@ -33,9 +33,13 @@ class CallFailed(GpusnapError):
         self.cuda_error = cuda_error
 
 
+# Calls whose first argument is not a pid (an operation handle, a ring name).
+_NO_PID = frozenset({"operation_complete", "copy_out", "copy_in", "ring_attach", "ring_detach"})
+
+
 def _describe(call: str, args: list[Any]) -> str:
     name = CALL_NAMES.get(call, call)
-    pid = args[0] if args and call not in ("operation_complete",) else None
+    pid = args[0] if args and call not in _NO_PID else None
     return f"{name}({pid})" if isinstance(pid, int) else f"{name}()"
 
 
@@ -123,35 +127,69 @@ class GpuWorker:
         A CUDA error listed in ``tolerate`` raises ``CallFailed`` (its ``cuda_error`` says
         which); any other failure raises the error kind the CUDA error maps to.
         """
+        return self.begin(call, *args, timeout_s=timeout_s, tolerate=tolerate).result()
+
+    def begin(
+        self,
+        call: str,
+        *args: Any,
+        timeout_s: float | None = None,
+        tolerate: tuple[str, ...] = (),
+    ) -> PendingCall:
+        """Send one call and return at once; ``result()`` waits for it (same deadline rules).
+
+        The worker is held until ``result()`` returns, so the caller can do other work
+        (fill the other half of a ring) while the worker copies. Always call ``result()``.
+        """
         limit = self.call_timeout_s if timeout_s is None else timeout_s
+        self._lock.acquire()
+        pending = PendingCall(self, call, list(args), limit, tolerate)
+        try:
+            proc = self._ensure()
+            assert proc.stdin is not None
+            write_frame(proc.stdin.fileno(), {"call": call, "args": list(args)})
+        except BaseException as exc:
+            pending.send_error = exc
+        return pending
+
+    def kill(self) -> None:
+        """Kill the worker now (a fresh one starts on the next call); drops what it mapped."""
         with self._lock:
-            try:
-                reply = self._roundtrip(call, list(args), limit)
-            except FrameTimeout:
-                self._kill()
-                state = self._state_after_restart(call, list(args))
-                raise DeadlineExceeded(
-                    f"{_describe(call, list(args))} did not return within {limit:g}s; "
-                    f"worker restarted; {state}"
-                ) from None
-            except (PeerClosed, BrokenPipeError, ValueError, TypeError) as exc:
-                code = self._proc.poll() if self._proc is not None else None
-                self._kill()
-                raise Internal(
-                    f"GPU worker died during {_describe(call, list(args))} "
-                    f"(exit status {code}, {type(exc).__name__}); it will be restarted"
-                ) from exc
+            self._kill()
+
+    def _finish(self, pending: PendingCall) -> Any:
+        call, args, limit = pending.call, pending.args, pending.timeout_s
+        try:
+            if pending.send_error is not None:
+                raise pending.send_error
+            proc = self._proc
+            assert proc is not None and proc.stdout is not None
+            reply = read_frame(proc.stdout.fileno(), pending.deadline)
+        except FrameTimeout:
+            self._kill()
+            state = self._state_after_restart(call, args)
+            raise DeadlineExceeded(
+                f"{_describe(call, args)} did not return within {limit:g}s; "
+                f"worker restarted; {state}"
+            ) from None
+        except (PeerClosed, BrokenPipeError, ValueError, TypeError, AssertionError) as exc:
+            code = self._proc.poll() if self._proc is not None else None
+            self._kill()
+            raise Internal(
+                f"GPU worker died during {_describe(call, args)} "
+                f"(exit status {code}, {type(exc).__name__}); it will be restarted"
+            ) from exc
         if "error" in reply:
             err = reply["error"]
             cuda_error = err.get("cuda_error")
-            if cuda_error and cuda_error in tolerate:
+            if cuda_error and cuda_error in pending.tolerate:
                 raise CallFailed(str(cuda_error), str(err.get("message")))
             raise error_from_kind(str(err.get("kind")), str(err.get("message")))
         return reply.get("ok")
 
     def _state_after_restart(self, call: str, args: list[Any]) -> str:
         """What a fresh worker sees of the process the stuck call was about."""
-        named = bool(args) and isinstance(args[0], int) and call != "operation_complete"
+        named = bool(args) and isinstance(args[0], int) and call not in _NO_PID
         pid = args[0] if named else None
         if pid is None:
             return "no process was named"
@@ -169,3 +207,34 @@ class GpuWorker:
                 return f"process {pid} holds no CUDA state"
             return f"state of process {pid} unknown ({err.get('message')})"
         return f"process {pid} is {reply.get('ok')}"
+
+
+class PendingCall:
+    """A call sent to the worker whose reply has not been read yet (``GpuWorker.begin``)."""
+
+    def __init__(
+        self,
+        worker: GpuWorker,
+        call: str,
+        args: list[Any],
+        timeout_s: float,
+        tolerate: tuple[str, ...],
+    ) -> None:
+        self._worker = worker
+        self.call = call
+        self.args = args
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.tolerate = tolerate
+        self.send_error: BaseException | None = None
+        self._done = False
+
+    def result(self) -> Any:
+        """The call's result; raises like ``GpuWorker.call``. Releases the worker."""
+        if self._done:
+            raise Internal(f"result of {_describe(self.call, self.args)} was already taken")
+        self._done = True
+        try:
+            return self._worker._finish(self)
+        finally:
+            self._worker._lock.release()

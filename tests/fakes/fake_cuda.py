@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import mmap
 import os
+import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.gpu.cudaerror import CudaError
+from gpusnap.daemon.gpu.ring import map_ring
 
 STATE_ENV = "GPUSNAP_FAKE_CUDA_STATE"
 GIB = 2**30
@@ -83,9 +86,18 @@ class FakeCuda:
         return self
 
     def add_process(
-        self, pid: int, memory: dict[str, int] | None = None, *, lock_blocked: bool = False
+        self,
+        pid: int,
+        memory: dict[str, int] | None = None,
+        *,
+        lock_blocked: bool = False,
+        seed: int | None = None,
     ) -> None:
-        """Register ``pid`` as a CUDA process holding ``memory`` bytes per GPU UUID."""
+        """Register ``pid`` as a CUDA process holding ``memory`` bytes per GPU UUID.
+
+        ``seed`` picks the content of its device memory (``device_content``) for custom
+        storage; keep ``memory`` small (MiBs) when custom storage is on.
+        """
         with _locked(self.path) as state:
             if memory is None:
                 memory = {state["devices"][0]["uuid"]: 2 * GIB}
@@ -94,6 +106,7 @@ class FakeCuda:
                 "memory": memory,
                 "lock_blocked": lock_blocked,
                 "restore_tid": pid,
+                "seed": pid if seed is None else seed,
             }
 
     def fault(
@@ -216,6 +229,7 @@ def _used(state: dict[str, Any], uuid: str) -> int:
 def _run(op: str, pid: int | None, step: Any, **logged: Any) -> Any:
     """Log the call, apply faults, run ``step(state)`` under the lock."""
     with _locked() as state:
+        _abandon_orphaned_operations(state)
         state["calls"].append({"op": op, "pid": pid, **logged})
         fault = _take_fault(state, op, pid)
         result = None
@@ -318,29 +332,36 @@ def checkpoint(pid: int) -> None:
     _run("checkpoint", pid, step)
 
 
+def _restore_memory(
+    state: dict[str, Any], op: str, pid: int, gpu_pairs: list[list[str]] | None
+) -> dict[str, int]:
+    """The process's memory per GPU after a restore with ``gpu_pairs``, or the CUDA error."""
+    proc = _proc(state, op, pid)
+    _require(op, pid, proc, "CHECKPOINTED")
+    memory: dict[str, int] = dict(proc["memory"])
+    by_uuid = {d["uuid"]: d for d in state["devices"]}
+    if gpu_pairs:
+        mapping = {old: new for old, new in gpu_pairs}
+        for old in memory:
+            new = mapping.get(old)
+            if new is None or new not in by_uuid:
+                raise CudaError(op, pid, "CUDA_ERROR_INVALID_VALUE")
+            if old in by_uuid and by_uuid[old]["name"] != by_uuid[new]["name"]:
+                raise CudaError(op, pid, "CUDA_ERROR_INVALID_VALUE")
+        memory = {mapping[old]: size for old, size in memory.items()}
+    for uuid, size in memory.items():
+        dev = by_uuid.get(uuid)
+        if dev is None:
+            raise CudaError(op, pid, "CUDA_ERROR_INVALID_DEVICE")
+        if int(dev["memory_total"]) - _used(state, uuid) < size:
+            # Documented failure mode: the process stays CHECKPOINTED (and is wedged).
+            raise CudaError(op, pid, "CUDA_ERROR_OUT_OF_MEMORY")
+    return memory
+
+
 def restore(pid: int, gpu_pairs: list[list[str]] | None) -> None:
     def step(state: dict[str, Any]) -> None:
-        proc = _proc(state, "restore", pid)
-        _require("restore", pid, proc, "CHECKPOINTED")
-        memory: dict[str, int] = dict(proc["memory"])
-        by_uuid = {d["uuid"]: d for d in state["devices"]}
-        if gpu_pairs:
-            mapping = {old: new for old, new in gpu_pairs}
-            for old in memory:
-                new = mapping.get(old)
-                if new is None or new not in by_uuid:
-                    raise CudaError("restore", pid, "CUDA_ERROR_INVALID_VALUE")
-                if old in by_uuid and by_uuid[old]["name"] != by_uuid[new]["name"]:
-                    raise CudaError("restore", pid, "CUDA_ERROR_INVALID_VALUE")
-            memory = {mapping[old]: size for old, size in memory.items()}
-        for uuid, size in memory.items():
-            dev = by_uuid.get(uuid)
-            if dev is None:
-                raise CudaError("restore", pid, "CUDA_ERROR_INVALID_DEVICE")
-            if int(dev["memory_total"]) - _used(state, uuid) < size:
-                # Documented failure mode: the process stays CHECKPOINTED (and is wedged).
-                raise CudaError("restore", pid, "CUDA_ERROR_OUT_OF_MEMORY")
-        state["processes"][str(pid)]["memory"] = memory
+        state["processes"][str(pid)]["memory"] = _restore_memory(state, "restore", pid, gpu_pairs)
         _set(state, pid, "LOCKED")
 
     _run("restore", pid, step, gpu_pairs=gpu_pairs)
@@ -354,16 +375,179 @@ def unlock(pid: int) -> None:
     _run("unlock", pid, step)
 
 
+# -- custom storage --------------------------------------------------------------------------
+#
+# A fake CUDA process's "device memory" is, during a custom-storage operation, a file next to
+# the state file (one per GPU it uses, of the size ``memory`` gives) whose content is a
+# deterministic function of the process's ``seed`` and the device's position. A checkpoint
+# writes that content and lets the worker copy it out; a restore hands out zeroed files and,
+# at ``operation_complete``, checks them byte for byte: a difference fails the restore and
+# leaves the process FAILED, as wrong bytes would wedge a real one.
+#
+# Assumption, unverified on hardware: when the process that holds an operation's mappings
+# dies (the worker killed past a deadline), the driver abandons the operation: a checkpoint
+# goes back to LOCKED, a restore back to CHECKPOINTED.
+
+
+def device_content(seed: int, position: int, size: int) -> bytes:
+    """What device ``position`` of a process with ``seed`` holds (deterministic)."""
+    return random.Random(f"fake-cuda-{seed}-{position}").randbytes(size)
+
+
+def _device_file(state_path: Path, pid: int, position: int) -> Path:
+    return state_path.with_name(f"{state_path.name}.dev-{pid}-{position}")
+
+
+def _abandon_orphaned_operations(state: dict[str, Any]) -> None:
+    for handle, op in list(state.get("operations", {}).items()):
+        if _alive(int(op["owner"])):
+            continue
+        proc = state["processes"].get(str(op["pid"]))
+        if proc is not None:
+            proc["state"] = "LOCKED" if op["kind"] == "checkpoint" else "CHECKPOINTED"
+        for dev in op["devices"]:
+            Path(dev["path"]).unlink(missing_ok=True)
+        state.setdefault("abandoned", []).append({"handle": handle, **op})
+        del state["operations"][handle]
+
+
+def _new_operation(
+    state: dict[str, Any], kind: str, pid: int, memory: dict[str, int]
+) -> dict[str, Any]:
+    state["next_handle"] = int(state.get("next_handle", 0)) + 1
+    handle = state["next_handle"]
+    by_uuid = {d["uuid"]: d for d in state["devices"]}
+    devs = []
+    for position, (uuid, size) in enumerate(memory.items()):
+        path = _device_file(_path(), pid, position)
+        with path.open("wb") as fh:
+            if kind == "checkpoint":
+                seed = int(state["processes"][str(pid)].get("seed", pid))
+                fh.write(device_content(seed, position, size))
+            else:
+                fh.truncate(size)
+        devs.append(
+            {"index": by_uuid[uuid]["index"], "uuid": uuid, "size": size, "path": str(path)}
+        )
+    state.setdefault("operations", {})[str(handle)] = {
+        "kind": kind,
+        "pid": pid,
+        "owner": os.getpid(),
+        "devices": devs,
+    }
+    return {
+        "handle": handle,
+        "devices": [
+            {"index": d["index"], "uuid": d["uuid"], "size": d["size"], "dev_ptr": 0} for d in devs
+        ],
+    }
+
+
 def checkpoint_custom_storage(pid: int) -> dict[str, Any]:
-    with _locked() as state:
+    def step(state: dict[str, Any]) -> dict[str, Any]:
+        _abandon_orphaned_operations(state)
         if not state["custom_storage"]:
             raise CudaError("checkpoint_custom_storage", pid, "CUDA_ERROR_NOT_SUPPORTED")
-    raise CudaError("checkpoint_custom_storage", pid, "CUDA_ERROR_NOT_SUPPORTED")
+        proc = _proc(state, "checkpoint_custom_storage", pid)
+        _require("checkpoint_custom_storage", pid, proc, "LOCKED")
+        result = _new_operation(state, "checkpoint", pid, dict(proc["memory"]))
+        _set(state, pid, "CHECKPOINTING")
+        return result
+
+    return dict(_run("checkpoint_custom_storage", pid, step))
 
 
 def restore_custom_storage(pid: int, gpu_pairs: list[list[str]] | None) -> dict[str, Any]:
-    raise CudaError("restore_custom_storage", pid, "CUDA_ERROR_NOT_SUPPORTED")
+    def step(state: dict[str, Any]) -> dict[str, Any]:
+        _abandon_orphaned_operations(state)
+        if not state["custom_storage"]:
+            raise CudaError("restore_custom_storage", pid, "CUDA_ERROR_NOT_SUPPORTED")
+        memory = _restore_memory(state, "restore_custom_storage", pid, gpu_pairs)
+        state["processes"][str(pid)]["memory"] = memory
+        result = _new_operation(state, "restore", pid, memory)
+        _set(state, pid, "RESTORING")
+        return result
+
+    return dict(_run("restore_custom_storage", pid, step, gpu_pairs=gpu_pairs))
 
 
 def operation_complete(handle: int) -> None:
-    raise CudaError("operation_complete", None, "CUDA_ERROR_INVALID_HANDLE")
+    def step(state: dict[str, Any]) -> None:
+        _abandon_orphaned_operations(state)
+        op = state.get("operations", {}).pop(str(handle), None)
+        if op is None:
+            raise CudaError("operation_complete", None, "CUDA_ERROR_INVALID_HANDLE")
+        pid = int(op["pid"])
+        proc = state["processes"][str(pid)]
+        try:
+            if op["kind"] == "checkpoint":
+                proc["state"] = "CHECKPOINTED"
+                return
+            seed = int(proc.get("seed", pid))
+            for position, dev in enumerate(op["devices"]):
+                got = Path(dev["path"]).read_bytes()
+                want = device_content(seed, position, int(dev["size"]))
+                if got != want:
+                    at = next(
+                        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                        min(len(got), len(want)),
+                    )
+                    proc["state"] = "FAILED"
+                    proc["restore_check"] = f"device {dev['uuid']} differs at byte {at}"
+                    raise CudaError("operation_complete", None, "CUDA_ERROR_UNKNOWN")
+            proc["restore_check"] = "verified"
+            proc["state"] = "LOCKED"
+        finally:
+            for dev in op["devices"]:
+                Path(dev["path"]).unlink(missing_ok=True)
+
+    _run("operation_complete", None, step, handle=handle)
+
+
+_attached: dict[str, mmap.mmap] = {}
+
+
+def ring_attach(name: str, size: int) -> None:
+    def step(state: dict[str, Any]) -> None:
+        if name not in _attached:
+            _attached[name] = map_ring(name, int(size))
+
+    _run("ring_attach", None, step, ring=name)
+
+
+def ring_detach(name: str) -> None:
+    found = _attached.pop(name, None)
+    if found is not None:
+        found.close()
+
+
+def _copy(op_name: str, handle: int, device: int, ring: str, copies: list[list[int]]) -> None:
+    def step(state: dict[str, Any]) -> None:
+        op = state.get("operations", {}).get(str(handle))
+        if op is None:
+            raise CudaError(op_name, None, "CUDA_ERROR_INVALID_HANDLE")
+        want = "checkpoint" if op_name == "copy_out" else "restore"
+        if op["kind"] != want or not 0 <= device < len(op["devices"]) or ring not in _attached:
+            raise CudaError(op_name, None, "CUDA_ERROR_INVALID_VALUE")
+        dev = op["devices"][device]
+        buf = _attached[ring]
+        with open(dev["path"], "r+b") as fh:
+            for ring_offset, dev_offset, nbytes in copies:
+                if dev_offset + nbytes > int(dev["size"]) or ring_offset + nbytes > len(buf):
+                    raise CudaError(op_name, None, "CUDA_ERROR_INVALID_VALUE")
+                if op_name == "copy_out":
+                    fh.seek(dev_offset)
+                    buf[ring_offset : ring_offset + nbytes] = fh.read(nbytes)
+                else:
+                    os.pwrite(fh.fileno(), buf[ring_offset : ring_offset + nbytes], dev_offset)
+        state["copied_bytes"] = int(state.get("copied_bytes", 0)) + sum(c[2] for c in copies)
+
+    _run(op_name, None, step, handle=handle, device=device, copies=len(copies))
+
+
+def copy_out(handle: int, device: int, ring: str, copies: list[list[int]]) -> None:
+    _copy("copy_out", handle, device, ring, copies)
+
+
+def copy_in(handle: int, device: int, ring: str, copies: list[list[int]]) -> None:
+    _copy("copy_in", handle, device, ring, copies)

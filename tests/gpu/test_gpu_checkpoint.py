@@ -221,3 +221,45 @@ def test_checkpoint_path_throughput_against_pinned_memcpy(
         checkpoint_s=freeze.checkpoint_seconds,
         restore_unlock_s=thaw_s,
     )
+
+
+def test_the_worker_pins_the_shared_ring(coordinator: GpuCoordinator) -> None:
+    """cuMemHostRegister of the custom-storage ring: exercisable on any driver (580 too)."""
+    from gpusnap.daemon.gpu.ring import HostRing  # noqa: PLC0415
+
+    with HostRing(2, 4 * 2**20) as ring:
+        coordinator._worker.call("ring_attach", ring.name, ring.size)
+        coordinator._worker.call("ring_detach", ring.name)
+
+
+def test_custom_storage_leave_running_through_a_store(
+    tmp_path: Path, coordinator: GpuCoordinator, figures: Any
+) -> None:
+    """Device memory copied by the daemon into a file:// store and back (CUDA 13.4 drivers)."""
+    if not coordinator.capabilities()["custom_storage"]:
+        pytest.skip(f"driver has no custom storage: {coordinator.capabilities()['message']}")
+    from gpusnap.storage import generate_signing_key, open_store  # noqa: PLC0415
+
+    key = tmp_path / "sign.pem"
+    generate_signing_key(key)
+    expected = _reference(tmp_path, "kv")
+    out = tmp_path / "run.txt"
+    proc = _start("kv", out, "--steps", str(STEPS), "--delay", "0.02")
+    _wait_lines(out, STEPS // 3)
+    with open_store(f"file://{tmp_path / 'store'}", key_file=key, cache_dir=tmp_path / "c") as st:
+        t0 = time.monotonic()
+        freeze = coordinator.freeze([proc.pid], store=st)
+        copied_s = time.monotonic() - t0
+        assert freeze.memory_copy == "custom-storage"
+        t1 = time.monotonic()
+        coordinator.thaw(freeze)
+        refill_s = time.monotonic() - t1
+    assert proc.wait(timeout=WAIT_S) == 0
+    assert _tokens(out) == expected
+    nbytes = freeze.to_stamp()["bytes_total"]
+    figures(
+        "custom-storage",
+        gpu_bytes=nbytes,
+        checkpoint_to_store_gbps=nbytes / copied_s / 1e9,
+        restore_from_store_gbps=nbytes / refill_s / 1e9,
+    )
