@@ -1,0 +1,453 @@
+"""The migration board: reclaimed checkpoints find a new node through the store, exactly once.
+
+Keys, under the store's reserved ``migrations/`` prefix, one folder per checkpoint; every
+object is written once (``put(if_absent=True)``) and is a record sealed with the store's
+signing key (``CheckpointStore.sign``), so a node acts only on requests a trusted node wrote::
+
+    migrations/<checkpoint id>/request          the reclaimed node asks for a new home
+    migrations/<checkpoint id>/claim-0000       the node that won the claim (attempt 0)
+    migrations/<checkpoint id>/claim-0001       a takeover after claim 0 went silent
+    migrations/<checkpoint id>/outcome          how it ended: restored, cold-started, failed
+
+A claim is a conditional create: ``If-None-Match: *`` on S3, ``link(2)`` onto a new name on
+``file://``. Either way exactly one writer of ``claim-NNNN`` succeeds; the others get
+``AlreadyExists`` and stand down. A claim with no outcome after ``claim_timeout_s`` is stale
+(its node died mid-restore); the request is then pending again and the next claim uses the
+next attempt number — this is the only way two nodes can both act on one checkpoint, and it
+needs the first to have gone silent for the whole timeout.
+
+``StandbyLoop`` runs on standby nodes: a node whose stamp matches claims at once and
+restores; a node that does not match waits until the request is ``cold_start_after_s`` old,
+then claims it to cold-start the workload and records why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+from gpusnap.daemon.model import CompatVerdict, Job, JobState
+from gpusnap.storage.backend import Backend
+from gpusnap.storage.errors import (
+    AlreadyExists,
+    Corrupt,
+    GpusnapError,
+    InvalidArgument,
+    NotFound,
+)
+from gpusnap.storage.manifest import check_checkpoint_id
+
+log = logging.getLogger(__name__)
+
+PREFIX = "migrations/"
+RECORD_VERSION = 1
+ClaimMode = Literal["restore", "cold-start"]
+
+
+class RecordSigner(Protocol):
+    """``CheckpointStore`` satisfies this."""
+
+    def sign(self, payload: bytes) -> bytes: ...
+
+    def open_signed(self, blob: bytes) -> bytes: ...
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    standby: bool = False
+    poll_interval: float = 5.0  # seconds between looks at the board
+    cold_start_after: float = 120.0  # an incompatible node claims a request this old
+    claim_timeout: float = 1800.0  # a claim without outcome this old is taken over
+    node_id: str = ""  # empty: the host name
+
+
+def parse_migration_config(data: Mapping[str, Any]) -> MigrationConfig:
+    """Validate the ``[migration]`` table strictly (unknown keys are errors)."""
+    known = MigrationConfig.__dataclass_fields__
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise InvalidArgument(
+                f"[migration] unknown key {key!r}; known keys: {', '.join(sorted(known))}"
+            )
+        if key == "standby":
+            if not isinstance(value, bool):
+                raise InvalidArgument("[migration] standby must be true or false")
+        elif key == "node_id":
+            if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+                raise InvalidArgument("[migration] node_id must be a non-empty word")
+        elif isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise InvalidArgument(f"[migration] {key} must be a number of seconds > 0")
+        values[key] = float(value) if key not in ("standby", "node_id") else value
+    return MigrationConfig(**values)
+
+
+def default_node_id() -> str:
+    return socket.gethostname()
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MigrationRequest:
+    checkpoint_id: str
+    workload: str
+    source_node: str
+    created_at: float
+    deadline: float | None = None
+    stamp_summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MigrationClaim:
+    checkpoint_id: str
+    node_id: str
+    mode: ClaimMode
+    attempt: int
+    claimed_at: float
+    reason: str = ""
+    nonce: str = ""
+
+
+@dataclass(frozen=True)
+class MigrationOutcome:
+    checkpoint_id: str
+    node_id: str
+    state: str  # "succeeded" | "failed"
+    mode: str  # "restored" | "cold-start" | "" when it failed before knowing
+    attempt: int
+    finished_at: float
+    detail: str = ""
+    job_id: str = ""
+
+
+@dataclass(frozen=True)
+class MigrationStatus:
+    request: MigrationRequest
+    claim: MigrationClaim | None
+    outcome: MigrationOutcome | None
+    stale_claim: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.outcome is not None:
+            return "restored" if self.outcome.state == "succeeded" else "failed"
+        if self.claim is not None and not self.stale_claim:
+            return "claimed"
+        return "pending"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.request.checkpoint_id,
+            "status": self.status,
+            "request": asdict(self.request),
+            "claim": asdict(self.claim) if self.claim else None,
+            "stale_claim": self.stale_claim,
+            "outcome": asdict(self.outcome) if self.outcome else None,
+        }
+
+
+def _claim_key(checkpoint_id: str, attempt: int) -> str:
+    return f"{PREFIX}{checkpoint_id}/claim-{attempt:04d}"
+
+
+class MigrationBoard:
+    """Migration requests, claims and outcomes in the store."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        signer: RecordSigner,
+        *,
+        claim_timeout_s: float = 1800.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.signer = signer
+        self.claim_timeout_s = claim_timeout_s
+        self._clock = clock
+
+    # --- sealed JSON records ------------------------------------------------------------------
+
+    def _write(self, key: str, kind: str, record: object) -> None:
+        doc = {"format": f"gpusnap.migration.{kind}/{RECORD_VERSION}", **asdict(record)}  # type: ignore[call-overload]
+        payload = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        self.backend.put(key, self.signer.sign(payload), if_absent=True)
+
+    def _read(self, key: str, kind: str) -> dict[str, Any]:
+        payload = self.signer.open_signed(self.backend.get(key))
+        try:
+            doc = json.loads(payload)
+        except ValueError as exc:
+            raise Corrupt(f"migration record {key} is not JSON") from exc
+        if not isinstance(doc, dict) or doc.pop("format", None) != (
+            f"gpusnap.migration.{kind}/{RECORD_VERSION}"
+        ):
+            raise Corrupt(f"migration record {key} is not a {kind} record")
+        return doc
+
+    def _read_as(self, key: str, kind: str, cls: type[Any]) -> Any:
+        doc = self._read(key, kind)
+        try:
+            return cls(**doc)
+        except TypeError as exc:
+            raise Corrupt(f"migration record {key} has unexpected fields") from exc
+
+    # --- API ----------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        checkpoint_id: str,
+        workload: str,
+        source_node: str,
+        stamp_summary: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> MigrationRequest:
+        """Ask for a new home for a committed checkpoint; publishing twice is harmless."""
+        check_checkpoint_id(checkpoint_id)
+        req = MigrationRequest(
+            checkpoint_id,
+            workload,
+            source_node,
+            self._clock(),
+            deadline,
+            dict(stamp_summary or {}),
+        )
+        key = f"{PREFIX}{checkpoint_id}/request"
+        try:
+            self._write(key, "request", req)
+        except AlreadyExists:
+            log.info("migration request for %s already published", checkpoint_id)
+            existing: MigrationRequest = self._read_as(key, "request", MigrationRequest)
+            return existing
+        log.warning("published migration request for %s (%s)", checkpoint_id, workload)
+        return req
+
+    def _folders(self) -> dict[str, set[str]]:
+        folders: dict[str, set[str]] = {}
+        for info in self.backend.list(PREFIX):
+            rest = info.key[len(PREFIX) :]
+            cid, sep, name = rest.partition("/")
+            if sep and "/" not in name:
+                folders.setdefault(cid, set()).add(name)
+        return folders
+
+    def _status(self, cid: str, names: set[str]) -> MigrationStatus:
+        req: MigrationRequest = self._read_as(f"{PREFIX}{cid}/request", "request", MigrationRequest)
+        if req.checkpoint_id != cid:
+            raise Corrupt(f"migration request under {cid} names {req.checkpoint_id}")
+        claims = sorted(n for n in names if n.startswith("claim-"))
+        claim: MigrationClaim | None = None
+        if claims:
+            claim = self._read_as(f"{PREFIX}{cid}/{claims[-1]}", "claim", MigrationClaim)
+        outcome: MigrationOutcome | None = None
+        if "outcome" in names:
+            outcome = self._read_as(f"{PREFIX}{cid}/outcome", "outcome", MigrationOutcome)
+        stale = (
+            outcome is None
+            and claim is not None
+            and self._clock() - claim.claimed_at > self.claim_timeout_s
+        )
+        return MigrationStatus(req, claim, outcome, stale)
+
+    def get(self, checkpoint_id: str) -> MigrationStatus:
+        check_checkpoint_id(checkpoint_id)
+        names = self._folders().get(checkpoint_id)
+        if not names or "request" not in names:
+            raise NotFound(f"no migration request for checkpoint {checkpoint_id}")
+        return self._status(checkpoint_id, names)
+
+    def statuses(self) -> list[MigrationStatus]:
+        """Every migration whose records open; a record that fails its check is skipped."""
+        out: list[MigrationStatus] = []
+        for cid, names in sorted(self._folders().items()):
+            if "request" not in names:
+                continue
+            try:
+                out.append(self._status(cid, names))
+            except (Corrupt, NotFound) as exc:
+                log.warning("skipping migration %s: %s", cid, exc)
+        return out
+
+    def pending(self) -> list[MigrationRequest]:
+        """Requests nobody has (live) claimed and that have no outcome, oldest first."""
+        out: list[MigrationRequest] = []
+        for cid, names in sorted(self._folders().items()):
+            if "request" not in names or "outcome" in names:
+                continue
+            try:
+                st = self._status(cid, names)
+            except (Corrupt, NotFound) as exc:
+                log.warning("skipping migration %s: %s", cid, exc)
+                continue
+            if st.status == "pending":
+                out.append(st.request)
+        return sorted(out, key=lambda r: r.created_at)
+
+    def claim(
+        self, checkpoint_id: str, node_id: str, mode: ClaimMode, *, reason: str = ""
+    ) -> MigrationClaim | None:
+        """Claim a pending request; ``None`` when another node holds it or won the race."""
+        st = self.get(checkpoint_id)
+        if st.status != "pending":
+            return None
+        attempt = 0 if st.claim is None else st.claim.attempt + 1
+        claim = MigrationClaim(
+            checkpoint_id,
+            node_id,
+            mode,
+            attempt,
+            self._clock(),
+            reason,
+            secrets.token_hex(8),
+        )
+        key = _claim_key(checkpoint_id, attempt)
+        try:
+            self._write(key, "claim", claim)
+        except AlreadyExists:
+            # A retried put whose first try landed also ends here: the nonce tells.
+            try:
+                held: MigrationClaim = self._read_as(key, "claim", MigrationClaim)
+            except GpusnapError:
+                return None
+            if held.nonce == claim.nonce:
+                return claim
+            log.info("%s: %s claimed it first", checkpoint_id, held.node_id)
+            return None
+        if attempt:
+            log.warning("%s: took over a stale claim (attempt %d)", checkpoint_id, attempt)
+        log.warning("%s: claimed by %s to %s", checkpoint_id, node_id, mode)
+        return claim
+
+    def record_outcome(
+        self,
+        claim: MigrationClaim,
+        *,
+        succeeded: bool,
+        mode: str,
+        detail: str = "",
+        job_id: str = "",
+    ) -> MigrationOutcome:
+        outcome = MigrationOutcome(
+            claim.checkpoint_id,
+            claim.node_id,
+            "succeeded" if succeeded else "failed",
+            mode,
+            claim.attempt,
+            self._clock(),
+            " ".join(detail.split()),
+            job_id,
+        )
+        self._write(f"{PREFIX}{claim.checkpoint_id}/outcome", "outcome", outcome)
+        return outcome
+
+
+# --- standby ----------------------------------------------------------------------------------
+
+
+CompatCheck = Callable[[str], CompatVerdict]
+RestoreRun = Callable[[MigrationRequest, MigrationClaim], Job]  # blocks until the job ends
+
+
+class StandbyLoop:
+    """Watches the board and adopts reclaimed workloads (``[migration] standby = true``)."""
+
+    def __init__(
+        self,
+        board: MigrationBoard,
+        node_id: str,
+        compat: CompatCheck,
+        restore: RestoreRun,
+        *,
+        cold_start_after_s: float = 120.0,
+        poll_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.board = board
+        self.node_id = node_id
+        self._compat = compat
+        self._restore = restore
+        self.cold_start_after_s = cold_start_after_s
+        self.poll_interval_s = poll_interval_s
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="migration-standby", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+                self.last_error = None
+            except GpusnapError as exc:
+                self.last_error = str(exc)
+                log.warning("migration standby: %s", exc)
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("migration standby failed")
+            self._stop.wait(self.poll_interval_s)
+
+    def tick(self) -> list[MigrationOutcome]:
+        """One look at the board; returns the outcomes this node recorded."""
+        done: list[MigrationOutcome] = []
+        for req in self.board.pending():
+            if self._stop.is_set():
+                break
+            if req.source_node == self.node_id:
+                continue  # the node going away does not adopt its own workload
+            outcome = self._consider(req)
+            if outcome is not None:
+                done.append(outcome)
+        return done
+
+    def _consider(self, req: MigrationRequest) -> MigrationOutcome | None:
+        try:
+            verdict = self._compat(req.checkpoint_id)
+        except GpusnapError as exc:
+            log.warning("%s: compatibility check failed: %s", req.checkpoint_id, exc)
+            return None
+        if verdict.compatible:
+            mode: ClaimMode = "restore"
+            reason = ""
+        else:
+            age = self._clock() - req.created_at
+            if age < self.cold_start_after_s:
+                log.debug("%s: not compatible; waiting for a matching node", req.checkpoint_id)
+                return None
+            mode = "cold-start"
+            why = "; ".join(str(r) for r in verdict.reasons) or "stamp does not match"
+            reason = f"no compatible node claimed within {self.cold_start_after_s:g} s; {why}"
+        claim = self.board.claim(req.checkpoint_id, self.node_id, mode, reason=reason)
+        if claim is None:
+            return None
+        try:
+            job = self._restore(req, claim)
+        except GpusnapError as exc:
+            return self.board.record_outcome(claim, succeeded=False, mode="", detail=str(exc))
+        ok = job.state == JobState.SUCCEEDED
+        result_mode = str(job.result.get("mode", "restored" if mode == "restore" else mode))
+        detail = reason if ok else (job.error or f"restore job ended {job.state}")
+        return self.board.record_outcome(
+            claim, succeeded=ok, mode=result_mode, detail=detail, job_id=job.id
+        )
