@@ -1,0 +1,499 @@
+"""gpusnapd's configuration: one TOML file, parsed and checked completely before anything starts.
+
+Every section and key is listed here; an unknown key or a bad value is an ``InvalidArgument``
+whose one-line message names the key (and suggests the closest known one), and the daemon
+refuses to start with it. ``docs/config.md`` documents the same keys.
+
+The ``[triggers]`` and ``[migration]`` sections belong to the trigger and migration code; when
+that code offers ``parse_triggers_config`` / ``parse_migration_config`` they are parsed by it,
+otherwise they are kept as raw tables.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpusnap.daemon.triggers.policy import POLICY_KEYS, parse_workload_policy
+from gpusnap.storage.backend import BackendOptions
+from gpusnap.storage.errors import InvalidArgument
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpusnap/gpusnapd.toml")
+DEFAULT_SOCKET = "/run/gpusnap/gpusnapd.sock"
+DEFAULT_STATE_DIR = "/var/lib/gpusnap"
+DEFAULT_STORE_URL = "file:///var/lib/gpusnap/store"
+
+_T = TypeVar("_T")
+
+_POLICY_KEYS = tuple(sorted(POLICY_KEYS))
+_WORKLOAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class TcpListener:
+    """The optional remote listener; always mutual TLS."""
+
+    listen: str  # host:port
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path
+
+
+@dataclass(frozen=True)
+class DaemonSection:
+    socket: Path = Path(DEFAULT_SOCKET)
+    state_dir: Path = Path(DEFAULT_STATE_DIR)
+    socket_group: str = "gpusnap"
+    node_id: str | None = None  # default: the host name
+    max_jobs: int = 4  # jobs running at once; more wait in QUEUED
+    tcp: TcpListener | None = None
+
+
+@dataclass(frozen=True)
+class StoreSection:
+    url: str = DEFAULT_STORE_URL
+    key_file: Path | None = None
+    encryption_key_file: Path | None = None
+    cache_dir: Path | None = None
+    workers: int | None = None
+    compress: bool | None = None  # None: the store decides
+    verify: bool = True
+    options: BackendOptions = field(default_factory=BackendOptions)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    version: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    revision: str
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    command: tuple[str, ...]
+    cwd: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    name: str
+    pid_file: Path | None = None
+    systemd_unit: str | None = None
+    match: str | None = None  # a regular expression over the command line
+    engine: EngineSpec | None = None  # declared; None with engine_probed=False: not checked
+    engine_probed: bool = False  # engine = "probed": read from the process at checkpoint time
+    model: ModelSpec | None = None
+    start: StartSpec | None = None
+    # Trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), checked
+    # and interpreted by gpusnap.daemon.triggers.policy.
+    policy: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GpuSection:
+    driver: str = "auto"  # auto | cuda | none
+    lock_timeout_s: float = 10.0
+    call_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    listen: str | None = None  # host:port; None = off
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path | None
+    daemon: DaemonSection
+    store: StoreSection
+    workloads: tuple[WorkloadConfig, ...]
+    gpu: GpuSection
+    metrics: MetricsSection
+    triggers: Any  # parsed by gpusnap.daemon.triggers when it can, else the raw table
+    migration: Any  # parsed by gpusnap.daemon.migration when it can, else the raw table
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def workload(self, name: str) -> WorkloadConfig | None:
+        for w in self.workloads:
+            if w.name == name:
+                return w
+        return None
+
+
+def load_config(path: Path | str = DEFAULT_CONFIG_PATH) -> Config:
+    """Read and check ``path``. Any problem is ``InvalidArgument`` with a one-line message."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidArgument(f"config: {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"config: {p}: cannot read: {exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"config: {p}: not valid TOML: {exc}") from exc
+    return parse_config(data, path=p)
+
+
+def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config:
+    top = _Table(data, "config")
+    daemon = _parse_daemon(top.table("daemon"))
+    store = _parse_store(top.table("store"))
+    workloads = _parse_workloads(top.array_of_tables("workload"))
+    gpu = _parse_gpu(top.table("gpu"))
+    metrics = _parse_metrics(top.table("metrics"))
+    triggers = _parse_plugged(
+        top.raw_table("triggers"), "gpusnap.daemon.triggers.config", "parse_triggers_config"
+    )
+    migration = _parse_plugged(
+        top.raw_table("migration"), "gpusnap.daemon.migration", "parse_migration_config"
+    )
+    top.done()
+    return Config(
+        path=path,
+        daemon=daemon,
+        store=store,
+        workloads=workloads,
+        gpu=gpu,
+        metrics=metrics,
+        triggers=triggers,
+        migration=migration,
+        raw=dict(data),
+    )
+
+
+# --- sections ---------------------------------------------------------------------------------
+
+
+def _parse_daemon(t: _Table) -> DaemonSection:
+    d = DaemonSection()
+    tcp_t = t.table("tcp", optional=True)
+    tcp: TcpListener | None = None
+    if tcp_t is not None:
+        tcp = TcpListener(
+            listen=tcp_t.host_port("listen", required=True) or "",
+            cert_file=tcp_t.path("cert_file", required=True) or Path(),
+            key_file=tcp_t.path("key_file", required=True) or Path(),
+            client_ca_file=tcp_t.path("client_ca_file", required=True) or Path(),
+        )
+        tcp_t.done()
+    section = DaemonSection(
+        socket=t.path("socket") or d.socket,
+        state_dir=t.path("state_dir") or d.state_dir,
+        socket_group=t.string("socket_group") or d.socket_group,
+        node_id=t.string("node_id"),
+        max_jobs=t.integer("max_jobs", minimum=1) or d.max_jobs,
+        tcp=tcp,
+    )
+    t.done()
+    return section
+
+
+def _parse_store(t: _Table) -> StoreSection:
+    url = t.string("url") or DEFAULT_STORE_URL
+    if "://" not in url:
+        raise InvalidArgument(f"config: [store] url: {url!r} is not a URL (file:///… or s3://…)")
+    o = BackendOptions()
+    addressing = t.choice("addressing_style", ("path", "virtual", "auto"))
+    options = BackendOptions(
+        endpoint_url=t.string("endpoint_url"),
+        region=t.string("region"),
+        addressing_style=addressing,
+        profile=t.string("profile"),
+        sse=t.choice("sse", ("AES256", "aws:kms")),
+        sse_kms_key_id=t.string("sse_kms_key_id"),
+        multipart_threshold=t.integer("multipart_threshold", minimum=1) or o.multipart_threshold,
+        multipart_chunksize=t.integer("multipart_chunksize", minimum=1) or o.multipart_chunksize,
+        max_pool_connections=t.integer("max_pool_connections", minimum=1) or o.max_pool_connections,
+        connect_timeout=t.number("connect_timeout", minimum=0.001) or o.connect_timeout,
+        read_timeout=t.number("read_timeout", minimum=0.001) or o.read_timeout,
+        retry_attempts=_or(t.integer("retry_attempts", minimum=1), o.retry_attempts),
+        retry_base_delay=_or(t.number("retry_base_delay", minimum=0.0), o.retry_base_delay),
+        retry_max_delay=_or(t.number("retry_max_delay", minimum=0.0), o.retry_max_delay),
+        retry_deadline=t.number("retry_deadline", minimum=0.001),
+    )
+    section = StoreSection(
+        url=url,
+        key_file=t.path("key_file"),
+        encryption_key_file=t.path("encryption_key_file"),
+        cache_dir=t.path("cache_dir"),
+        workers=t.integer("workers", minimum=1),
+        compress=t.boolean("compress"),
+        verify=_or(t.boolean("verify"), True),
+        options=options,
+    )
+    t.done()
+    return section
+
+
+def _parse_workloads(tables: list[_Table]) -> tuple[WorkloadConfig, ...]:
+    out: list[WorkloadConfig] = []
+    seen: set[str] = set()
+    for t in tables:
+        name = t.string("name", required=True) or ""
+        if not _WORKLOAD_NAME.match(name):
+            raise InvalidArgument(
+                f"{t.where}: key 'name': {name!r} is not a workload name "
+                "(letters, digits, '.', '_', '-'; at most 128)"
+            )
+        t.where = f"{t.where} {name!r}"
+        if name in seen:
+            raise InvalidArgument(f"{t.where}: the name is used by another [[workload]]")
+        seen.add(name)
+        pid_file = t.path("pid_file")
+        unit = t.string("systemd_unit")
+        match = t.string("match")
+        if match is not None:
+            try:
+                re.compile(match)
+            except re.error as exc:
+                raise InvalidArgument(
+                    f"{t.where}: key 'match': not a regular expression: {exc}"
+                ) from None
+        given = (("pid_file", pid_file), ("systemd_unit", unit), ("match", match))
+        finders = [k for k, v in given if v is not None]
+        if len(finders) > 1:
+            raise InvalidArgument(
+                f"{t.where}: give one of 'pid_file', 'systemd_unit', 'match'"
+                f" (got {', '.join(finders)})"
+            )
+        engine: EngineSpec | None = None
+        probed = False
+        raw_engine = t.get("engine")
+        if raw_engine == "probed":
+            probed = True
+        elif raw_engine is not None:
+            if not isinstance(raw_engine, dict):
+                raise InvalidArgument(
+                    f"{t.where}: key 'engine': must be \"probed\" or {{ name, version }}"
+                    f" (got {raw_engine!r})"
+                )
+            et = t.table("engine")
+            engine = EngineSpec(
+                name=et.string("name", required=True) or "",
+                version=et.string("version", required=True) or "",
+            )
+            et.done()
+        model: ModelSpec | None = None
+        if t.get("model") is not None:
+            mt = t.table("model")
+            model = ModelSpec(
+                name=mt.string("name", required=True) or "",
+                revision=mt.string("revision", required=True) or "",
+            )
+            mt.done()
+        start: StartSpec | None = None
+        if t.get("start") is not None:
+            st = t.table("start")
+            command = st.string_list("command", required=True) or []
+            if not command:
+                raise InvalidArgument(f"{st.where}: key 'command': must not be empty")
+            start = StartSpec(
+                command=tuple(command),
+                cwd=st.string("cwd"),
+                env=st.string_map("env") or {},
+                user=st.string("user"),
+            )
+            st.done()
+        policy = {k: t.get(k) for k in _POLICY_KEYS if t.data.get(k) is not None}
+        if policy:
+            parse_workload_policy(name, policy)  # the trigger code owns these keys (issue 5)
+        out.append(
+            WorkloadConfig(
+                name=name,
+                pid_file=pid_file,
+                systemd_unit=unit,
+                match=match,
+                engine=engine,
+                engine_probed=probed,
+                model=model,
+                start=start,
+                policy=policy,
+            )
+        )
+        t.done()
+    return tuple(out)
+
+
+def _parse_gpu(t: _Table) -> GpuSection:
+    g = GpuSection()
+    section = GpuSection(
+        driver=t.choice("driver", ("auto", "cuda", "none")) or g.driver,
+        lock_timeout_s=t.number("lock_timeout_s", minimum=0.001) or g.lock_timeout_s,
+        call_timeout_s=t.number("call_timeout_s", minimum=0.001) or g.call_timeout_s,
+    )
+    t.done()
+    return section
+
+
+def _parse_metrics(t: _Table) -> MetricsSection:
+    section = MetricsSection(listen=t.host_port("listen"))
+    t.done()
+    return section
+
+
+def _parse_plugged(raw: dict[str, Any], module: str, func: str) -> Any:
+    """Hand a section to its owner's parser when that code exists; keep it raw otherwise."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return raw
+    parser: Callable[[dict[str, Any]], Any] | None = getattr(mod, func, None)
+    if parser is None:
+        return raw
+    return parser(raw)
+
+
+def _or(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+# --- checked access to one TOML table ---------------------------------------------------------
+
+
+class _Table:
+    """A TOML table whose keys are consumed one by one; ``done()`` rejects what is left."""
+
+    def __init__(self, data: Mapping[str, Any], where: str) -> None:
+        self.data = data
+        self.where = where
+        self.used: set[str] = set()
+
+    def get(self, key: str) -> Any:
+        self.used.add(key)
+        return self.data.get(key)
+
+    def _bad(self, key: str, what: str) -> InvalidArgument:
+        value = self.data.get(key)
+        return InvalidArgument(f"{self.where}: key '{key}': {what} (got {value!r})")
+
+    def _missing(self, key: str) -> InvalidArgument:
+        return InvalidArgument(f"{self.where}: missing key '{key}'")
+
+    def string(self, key: str, *, required: bool = False) -> str | None:
+        v = self.get(key)
+        if v is None:
+            if required:
+                raise self._missing(key)
+            return None
+        if not isinstance(v, str) or not v:
+            raise self._bad(key, "must be a non-empty string")
+        return v
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str | None:
+        v = self.string(key)
+        if v is not None and v not in allowed:
+            raise self._bad(key, f"must be one of {', '.join(allowed)}")
+        return v
+
+    def path(self, key: str, *, required: bool = False) -> Path | None:
+        v = self.string(key, required=required)
+        if v is None:
+            return None
+        if not v.startswith("/"):
+            raise self._bad(key, "must be an absolute path")
+        return Path(v)
+
+    def host_port(self, key: str, *, required: bool = False) -> str | None:
+        v = self.string(key, required=required)
+        if v is None:
+            return None
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise self._bad(key, "must be HOST:PORT")
+        return v
+
+    def integer(self, key: str, *, minimum: int | None = None) -> int | None:
+        v = self.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise self._bad(key, "must be an integer")
+        if minimum is not None and v < minimum:
+            raise self._bad(key, f"must be at least {minimum}")
+        return v
+
+    def number(self, key: str, *, minimum: float | None = None) -> float | None:
+        v = self.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise self._bad(key, "must be a number")
+        if minimum is not None and v < minimum:
+            raise self._bad(key, f"must be at least {minimum}")
+        return float(v)
+
+    def boolean(self, key: str) -> bool | None:
+        v = self.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, bool):
+            raise self._bad(key, "must be true or false")
+        return v
+
+    def string_list(self, key: str, *, required: bool = False) -> list[str] | None:
+        v = self.get(key)
+        if v is None:
+            if required:
+                raise self._missing(key)
+            return None
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise self._bad(key, "must be a list of strings")
+        return list(v)
+
+    def string_map(self, key: str) -> dict[str, str] | None:
+        v = self.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+            raise self._bad(key, "must be a table of strings")
+        return dict(v)
+
+    def raw_table(self, key: str) -> dict[str, Any]:
+        v = self.get(key)
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise self._bad(key, "must be a table")
+        return dict(v)
+
+    def table(self, key: str, *, optional: bool = False) -> Any:
+        v = self.get(key)
+        where = f"config: [{key}]" if self.where == "config" else f"{self.where} {key}"
+        if v is None:
+            return None if optional else _Table({}, where)
+        if not isinstance(v, dict):
+            raise self._bad(key, "must be a table")
+        return _Table(v, where)
+
+    def array_of_tables(self, key: str) -> list[_Table]:
+        v = self.get(key)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+            raise self._bad(key, f"must be an array of tables ([[{key}]])")
+        return [_Table(x, f"config: [[{key}]] #{i}") for i, x in enumerate(v, start=1)]
+
+    def done(self) -> None:
+        for key in self.data:
+            if key not in self.used:
+                hint = difflib.get_close_matches(key, sorted(self.used), n=1, cutoff=0.6)
+                suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+                where = self.where
+                if where == "config":
+                    raise InvalidArgument(f"config: unknown section or key '{key}'{suggestion}")
+                raise InvalidArgument(f"{where}: unknown key '{key}'{suggestion}")

@@ -1,0 +1,376 @@
+"""The bodies of checkpoint and restore jobs: the steps of DESIGN.md, in order.
+
+Checkpoint: look at the tree -> GPU freeze -> CRIU dump into staging -> (leave-running: GPU
+thaw; the pause ends here) -> stamp -> push to the store (manifest last) -> clean staging.
+The store is asked for the workload's latest checkpoint (the parent) *before* the dump, so an
+unreachable store fails the job while the workload is still untouched. If the upload of a
+kill-mode dump fails, the workload is restored on this node from the local images, so a
+failed checkpoint never loses it.
+
+Restore: authenticated manifest -> compatibility gate -> on any reason, cold start with every
+reason; else pull into staging -> CRIU restore detached -> GPU restore -> report pids.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpusnap.daemon import coldstart, proctree
+from gpusnap.daemon.config import WorkloadConfig
+from gpusnap.daemon.criu import systemd_running
+from gpusnap.daemon.jobs import JobContext
+from gpusnap.daemon.model import Phase
+from gpusnap.daemon.stamp import STAMP_VERSION, file_entry, gpusnap_stamp, identity_stamp
+from gpusnap.storage.errors import FailedPrecondition, GpusnapError, NotFound
+from gpusnap.storage.streams import GPU_MEMORY_KIND
+
+if TYPE_CHECKING:
+    from gpusnap.daemon.service import DaemonService
+
+log = logging.getLogger(__name__)
+
+# Files whose content is the kernel's or a device's, not something a restore could find changed.
+_PSEUDO_PREFIXES = ("/proc/", "/sys/", "/dev/", "/memfd:", "/anon_inode:")
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    root_pid: int
+    workload: str
+    config: WorkloadConfig | None
+    leave_running: bool
+    compress: bool | None = None
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    checkpoint_id: str | None
+    workload: str | None
+
+
+# --- checkpoint ----------------------------------------------------------------------------------
+
+
+def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) -> None:
+    job_started = ctx.created_at
+    store = svc.store.get()
+    # Ask the store first: an unreachable store fails here, before the workload is touched.
+    latest = store.latest(req.workload)
+    parent = latest.checkpoint_id if latest is not None else None
+
+    tree = proctree.process_tree(req.root_pid)
+    pids = [p.pid for p in tree]
+    root = tree[0]
+    launch = proctree.launch_spec(root.pid)
+    launch["exe"] = root.exe
+    packages: dict[str, str] = {}
+    if req.config is None or req.config.engine is None:
+        try:
+            packages = proctree.python_packages(root.pid)
+        except GpusnapError as err:
+            log.info("cannot probe the packages of pid %d: %s", root.pid, err)
+    engine, model = identity_stamp(req.config, packages)
+    watched = _watched_files(pids)
+    host = svc.host()
+    gpu_stamp = dict(svc.gpu.stamp())
+
+    staging = svc.staging_dir(ctx.job_id)
+    images = staging / "images"
+    dump_log = svc.logs_dir / f"{ctx.job_id}-dump.log"
+    try:
+        ctx.phase(Phase.FREEZE_GPU)
+        t_freeze = time.monotonic()
+        freeze = svc.gpu.freeze(pids, store=store)
+        gpu_pause = time.monotonic() - t_freeze if freeze.cuda_pids else 0.0
+
+        ctx.phase(Phase.DUMP)
+        try:
+            dump = svc.criu.dump(
+                root.pid, images, leave_running=req.leave_running, log_path=dump_log
+            )
+        except GpusnapError:
+            if freeze.cuda_pids:
+                _thaw_after_failure(svc, freeze)
+            raise
+        if not req.leave_running:
+            # The tree is gone; from here on cancelling would lose the workload.
+            ctx.cancellable = False
+        if req.leave_running and freeze.cuda_pids:
+            ctx.phase(Phase.THAW)
+            t_thaw = time.monotonic()
+            svc.gpu.thaw(freeze)
+            gpu_pause += time.monotonic() - t_thaw
+        pause = dump.pause_seconds + gpu_pause
+        ctx.result(
+            pause_seconds=round(pause, 6),
+            dump_seconds=round(dump.wall_seconds, 6),
+            images_bytes=dump.images_bytes,
+            pids=pids,
+        )
+
+        # The files are stat'ed after the dump: a killed tree can no longer change them.
+        files = [e for path, kind in watched if (e := file_entry(path, kind)) is not None]
+        gpu_stamp.update(freeze.to_stamp())
+        stamp: dict[str, Any] = {
+            "stamp_version": STAMP_VERSION,
+            "host": host,
+            "gpusnap": gpusnap_stamp(),
+            "engine": engine,
+            "model": model,
+            "files": files,
+            "launch": launch,
+            "gpu": gpu_stamp,
+            "process": {
+                "root_pid": root.pid,
+                "pids": pids,
+                "threads": sum(p.threads for p in tree),
+                "comm": Path(root.exe).name if root.exe else "",
+            },
+        }
+        spec: dict[str, Any] = {
+            "workload": req.workload,
+            "launch": launch,
+            "leave_running": req.leave_running,
+            "trigger": _trigger_of(svc, ctx),
+        }
+
+        ctx.phase(Phase.UPLOAD)
+        try:
+            pushed = store.push(
+                images,
+                workload=req.workload,
+                parent=parent,
+                stamp=stamp,
+                spec=spec,
+                progress=ctx.progress,
+                compress=req.compress,
+                extra={"job": ctx.job_id, "pause_seconds": round(pause, 6)},
+                uploaded_streams=getattr(freeze, "uploaded_streams", None),
+            )
+        except GpusnapError as err:
+            if not req.leave_running:
+                raise type(err)(f"{err}; {_rescue(svc, ctx, images)}") from err
+            raise
+        ctx.phase(Phase.COMMIT)
+        committed = time.time()
+        result: dict[str, Any] = {
+            "checkpoint_id": pushed.checkpoint_id,
+            "parent": parent,
+            "seconds": round(committed - job_started, 6),
+            "upload_seconds": round(pushed.seconds, 6),
+            "bytes_total": pushed.bytes_total,
+            "bytes_uploaded": pushed.bytes_uploaded,
+            "chunks_total": pushed.chunks_total,
+            "chunks_uploaded": pushed.chunks_uploaded,
+            "leave_running": req.leave_running,
+        }
+        if ctx.deadline is not None:
+            result["committed_before_deadline"] = committed <= ctx.deadline
+        ctx.result(**result)
+        svc.checkpoint_committed(req.workload, committed)
+        dump_log.unlink(missing_ok=True)
+        dump_log.with_name(dump_log.name + ".stdout").unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _trigger_of(svc: DaemonService, ctx: JobContext) -> str:
+    try:
+        return svc.executor.get(ctx.job_id).trigger
+    except GpusnapError:
+        return "unknown"
+
+
+def _thaw_after_failure(svc: DaemonService, freeze: Any) -> None:
+    try:
+        svc.gpu.thaw(freeze)
+    except GpusnapError as err:
+        log.warning("GPU thaw after a failed dump failed too: %s", err)
+
+
+def _rescue(svc: DaemonService, ctx: JobContext, images: Path) -> str:
+    """A kill-mode dump whose upload failed: bring the workload back from the local images."""
+    kept = svc.state_dir / "kept" / ctx.job_id
+    try:
+        restored = svc.criu.restore(
+            images,
+            log_path=svc.logs_dir / f"{ctx.job_id}-rescue.log",
+            pidfile=svc.logs_dir / f"{ctx.job_id}-rescue.pid",
+            scope_unit=f"gpusnap-rescue-{ctx.job_id}",
+            sibling=not systemd_running(),
+        )
+    except GpusnapError as err:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(images), str(kept))
+        return f"restoring the workload locally failed too ({err}); its images are kept in {kept}"
+    if not systemd_running():
+        svc.adopt(restored.pid)
+    return f"the workload was restored on this node from the local dump (pid {restored.pid})"
+
+
+def _watched_files(pids: list[int]) -> list[tuple[str, str]]:
+    """(path, kind) of the regular files the tree has open or mapped.
+
+    kind: ``mapped``, ``open-ro`` (read only), ``open-rw`` (written by the process) or
+    ``open-append``; the compatibility gate applies a rule per kind (docs/compat.md).
+    """
+    kinds: dict[str, str] = {}
+    rank = {"mapped": 0, "open-ro": 1, "open-append": 2, "open-rw": 3}
+
+    def add(path: str, kind: str) -> None:
+        if path.startswith(_PSEUDO_PREFIXES) or path.endswith(" (deleted)"):
+            return
+        if rank[kind] >= rank.get(kinds.get(path, "mapped"), 0) or path not in kinds:
+            kinds[path] = kind
+
+    for pid in pids:
+        try:
+            for ref in proctree.mapped_files(pid):
+                add(ref.path, "mapped")
+        except GpusnapError:
+            continue
+        fd_dir = Path(f"/proc/{pid}/fd")
+        try:
+            fds = list(fd_dir.iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+                flags = _fd_flags(pid, fd.name)
+            except OSError:
+                continue
+            if not target.startswith("/"):
+                continue
+            acc = flags & os.O_ACCMODE
+            if acc == os.O_RDONLY:
+                add(target, "open-ro")
+            elif flags & os.O_APPEND:
+                add(target, "open-append")
+            else:
+                add(target, "open-rw")
+    return sorted(kinds.items())
+
+
+def _fd_flags(pid: int, fd: str) -> int:
+    for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8)
+    return 0
+
+
+# --- restore -------------------------------------------------------------------------------------
+
+
+def run_restore(svc: DaemonService, ctx: JobContext, req: RestoreRequest) -> None:
+    job_started = ctx.created_at
+    store = svc.store.get()
+    ctx.phase(Phase.COMPAT)
+    checkpoint_id = req.checkpoint_id
+    if checkpoint_id is None:
+        assert req.workload is not None
+        latest = store.latest(req.workload)
+        if latest is None:
+            raise NotFound(f"workload {req.workload} has no checkpoint in the store")
+        checkpoint_id = latest.checkpoint_id
+    manifest = store.manifest(checkpoint_id)  # authenticated: Corrupt if altered or unsigned
+    if ctx.workload != manifest.workload:
+        ctx.set_workload(manifest.workload)
+    ctx.result(checkpoint_id=checkpoint_id)
+
+    reasons = svc.reasons(manifest)
+    if reasons:
+        wcfg = svc.config.workload(manifest.workload)
+        spec = (
+            coldstart.from_config(wcfg.start)
+            if wcfg is not None and wcfg.start is not None
+            else coldstart.from_stamp(manifest.stamp.get("launch"))
+        )
+        ctx.phase(Phase.COLD_START)
+        log.warning(
+            "checkpoint %s does not fit this node: %s; cold-starting %s",
+            checkpoint_id,
+            "; ".join(r.message for r in reasons),
+            manifest.workload,
+        )
+        log_path = svc.logs_dir / f"{manifest.workload}-{ctx.job_id}.log"
+        proc = coldstart.launch(spec, log_path)
+        svc.adopt(proc.pid, proc)
+        ctx.result(
+            mode="cold-start",
+            pids=[proc.pid],
+            reasons=[r.message for r in reasons],
+            reason_details=[
+                {"field": r.field, "expected": r.expected, "actual": r.actual, "message": r.message}
+                for r in reasons
+            ],
+            launch_source=spec.source,
+            log=str(log_path),
+            seconds=round(time.time() - job_started, 6),
+        )
+        return
+
+    process = manifest.stamp.get("process") or {}
+    pids = [int(p) for p in process.get("pids", []) if isinstance(p, int)]
+    for pid in pids:
+        if Path(f"/proc/{pid}").exists():
+            raise FailedPrecondition(
+                f"pid {pid} of the checkpointed tree is in use here by {_comm(pid)!r}; CRIU "
+                "restores processes with their original pids: stop (and reap) that process first"
+            )
+
+    staging = svc.staging_dir(ctx.job_id)
+    images = staging / "images"
+    restore_log = svc.logs_dir / f"{ctx.job_id}-restore.log"
+    try:
+        ctx.phase(Phase.FETCH)
+        pulled = store.pull(
+            checkpoint_id, images, progress=ctx.progress, exclude_kinds=(GPU_MEMORY_KIND,)
+        )
+        ctx.phase(Phase.RESTORE_PROCESS)
+        sibling = not systemd_running()
+        restored = svc.criu.restore(
+            images,
+            log_path=restore_log,
+            pidfile=staging / "restore.pid",
+            scope_unit=f"gpusnap-{manifest.workload}-{ctx.job_id}",
+            sibling=sibling,
+        )
+        if sibling:
+            for pid in {restored.pid, *pids}:
+                svc.adopt(pid)
+        ctx.phase(Phase.RESTORE_GPU)
+        gpu_stamp = manifest.stamp.get("gpu")
+        svc.gpu.restore(
+            pids or [restored.pid],
+            gpu_stamp if isinstance(gpu_stamp, dict) else {},
+            store=store,
+            manifest=manifest,
+        )
+        ctx.result(
+            mode="restored",
+            pids=[restored.pid, *[p for p in pids if p != restored.pid]],
+            reasons=[],
+            fetch_seconds=round(pulled.seconds, 6),
+            bytes_fetched=pulled.bytes_fetched,
+            bytes_total=pulled.bytes_total,
+            restore_seconds=round(restored.wall_seconds, 6),
+            seconds=round(time.time() - job_started, 6),
+        )
+        restore_log.unlink(missing_ok=True)
+        restore_log.with_name(restore_log.name + ".stdout").unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"

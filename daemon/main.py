@@ -1,0 +1,217 @@
+"""``gpusnapd --config FILE``: the node daemon, in the foreground (systemd runs exactly this).
+
+Start order: config (an error is one line and exit 2) -> CRIU check (missing or too old: one
+actionable line, exit 1) -> state dir, journal recovery, store (unreachable: a warning; jobs
+fail with Unavailable until it is back) -> trigger manager (issue 5, when present) -> the gRPC
+socket -> ``READY=1`` and the watchdog. SIGTERM/SIGINT: ``STOPPING=1``, the shutdown hooks
+(a reclaim checkpoint may run there), running jobs get time to finish while systemd is asked
+for more (``EXTEND_TIMEOUT_USEC``), then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from gpusnap import __version__
+from gpusnap.daemon import sdnotify
+from gpusnap.daemon.config import DEFAULT_CONFIG_PATH, Config, load_config
+from gpusnap.daemon.criu import Criu, systemd_running
+from gpusnap.daemon.grpc_server import TcpListenerConfig, start_server, stop_server
+from gpusnap.daemon.metrics import start_metrics_server
+from gpusnap.daemon.service import DaemonService
+from gpusnap.storage.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, GpusnapError, InvalidArgument
+
+log = logging.getLogger("gpusnap.daemon")
+
+LOOP_TICK = 1.0  # seconds between main-loop heartbeats
+STOP_JOB_GRACE = 120.0  # seconds running jobs get at stop before they are left interrupted
+EXTEND_STEP_USEC = 30_000_000
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        # journald adds the time; the level and logger are what a reader needs.
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"gpusnapd: error: {' '.join(message.split())}\n")
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpusnapd", description="gpusnap node daemon")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG_PATH,
+        metavar="FILE",
+        help=f"TOML config (default {DEFAULT_CONFIG_PATH})",
+    )
+    p.add_argument("--version", action="version", version=f"gpusnapd {__version__}")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-format", default="text", choices=("text", "json"))
+    p.add_argument(
+        "--check-config", action="store_true", help="check the config and exit (0: fine)"
+    )
+    return p
+
+
+def _start_triggers(service: DaemonService, config: Config) -> None:
+    """Issue 5 wires its TriggerManager here through ``start_triggers(service, config)``."""
+    try:
+        wiring = importlib.import_module("gpusnap.daemon.triggers.wiring")
+    except ModuleNotFoundError as exc:
+        if exc.name != "gpusnap.daemon.triggers.wiring":
+            raise
+        return
+    manager = wiring.start_triggers(service, config)
+    if manager is not None:
+        service.attach_triggers(manager)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level, args.log_format)
+    try:
+        config = load_config(args.config)
+    except InvalidArgument as err:
+        return _fail(str(err), EXIT_USAGE)
+    if args.check_config:
+        sys.stdout.write(f"{args.config}: ok\n")
+        return EXIT_OK
+
+    criu = Criu()
+    try:
+        criu.check()
+    except GpusnapError as err:
+        return _fail(f"CRIU is required: {err}", EXIT_FAILURE)
+
+    try:
+        service = DaemonService(config, criu=criu)
+    except (GpusnapError, OSError) as err:
+        return _fail(f"cannot start: {err}", EXIT_FAILURE)
+
+    if not systemd_running():
+        # Where PID 1 is not systemd it may reap nothing: adopt the orphans of restored trees
+        # (whose roots are our children, see flows.run_restore) and reap them ourselves.
+        _set_child_subreaper()
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        _start_triggers(service, config)
+        tcp = config.daemon.tcp
+        server = start_server(
+            service,
+            socket_path=config.daemon.socket,
+            socket_group=config.daemon.socket_group,
+            tcp=(
+                TcpListenerConfig(tcp.listen, tcp.cert_file, tcp.key_file, tcp.client_ca_file)
+                if tcp is not None
+                else None
+            ),
+        )
+        metrics = start_metrics_server(config.metrics.listen) if config.metrics.listen else None
+    except GpusnapError as err:
+        service.close(timeout=0)
+        return _fail(f"cannot start: {err}", EXIT_FAILURE)
+
+    health = sdnotify.LoopHealth(max_age=10 * LOOP_TICK)
+    watchdog = sdnotify.Watchdog(sdnotify.Notifier(), health)
+    watchdog.start()
+    sdnotify.ready(status=_status_line(service))
+    log.info(
+        "gpusnapd %s ready: socket %s, store %s, %d workload(s)",
+        __version__,
+        config.daemon.socket,
+        config.store.url,
+        len(config.workloads),
+    )
+    last_status = ""
+    while not stop.wait(LOOP_TICK):
+        health.beat()
+        line = _status_line(service)
+        if line != last_status:
+            sdnotify.status(line)
+            last_status = line
+        service.executor.prune()
+
+    sdnotify.stopping(status="stopping: finishing jobs")
+    closed = threading.Event()
+    extender = threading.Thread(target=_extend_until, args=(closed,), daemon=True)
+    extender.start()
+    try:
+        service.close(timeout=STOP_JOB_GRACE)
+    finally:
+        closed.set()
+        stop_server(server, config.daemon.socket, grace=2.0)
+        if metrics is not None:
+            metrics.close()
+        watchdog.stop()
+    log.info("gpusnapd stopped")
+    return EXIT_OK
+
+
+def _set_child_subreaper() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        failed = libc.prctl(36, 1, 0, 0, 0) != 0  # PR_SET_CHILD_SUBREAPER
+    except OSError as exc:
+        log.warning("cannot become a child subreaper (%s); orphans go to PID 1", exc)
+        return
+    if failed:
+        err = os.strerror(ctypes.get_errno())
+        log.warning("cannot become a child subreaper (%s); orphans go to PID 1", err)
+
+
+def _status_line(service: DaemonService) -> str:
+    running = service.executor.running()
+    return f"serving; {running} job(s) running" if running else "serving; idle"
+
+
+def _extend_until(done: threading.Event) -> None:
+    """Keep asking systemd for more stop time while the stop work (hooks, jobs) runs."""
+    while not done.is_set():
+        sdnotify.extend_timeout(EXTEND_STEP_USEC)
+        done.wait(EXTEND_STEP_USEC / 2e6)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The job journal and executor: states, recovery after a crash, refusal of a second job."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.jobs import JobContext, JobExecutor
+from gpusnap.daemon.journal import INTERRUPTED_MESSAGE, Journal
+from gpusnap.daemon.model import Job, JobKind, JobState, Phase
+from gpusnap.storage.errors import FailedPrecondition, NotFound, Unavailable
+
+
+def test_jobs_left_running_by_a_dead_daemon_are_marked_interrupted(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "jobs.sqlite")
+    j.save(Job(id="a", kind=JobKind.CHECKPOINT, workload="w", state=JobState.RUNNING))
+    j.save(Job(id="b", kind=JobKind.RESTORE, workload="w", state=JobState.SUCCEEDED))
+    j.close()
+    again = Journal(tmp_path / "jobs.sqlite")
+    assert [x.id for x in again.recover()] == ["a"]
+    a = again.get("a")
+    assert a is not None and a.state is JobState.INTERRUPTED and a.error == INTERRUPTED_MESSAGE
+    b = again.get("b")
+    assert b is not None and b.state is JobState.SUCCEEDED
+    assert [x.id for x in again.recent()] == ["b", "a"]
+
+
+def test_a_job_runs_to_success_with_phases_progress_and_result(tmp_path: Path) -> None:
+    ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
+
+    def body(ctx: JobContext) -> None:
+        ctx.phase(Phase.UPLOAD)
+        ctx.progress(50, 100)
+        ctx.result(checkpoint_id="x")
+
+    job = ex.submit(JobKind.CHECKPOINT, "w", body)
+    seen = list(ex.watch(job.id))
+    assert seen[-1].state is JobState.SUCCEEDED
+    assert seen[-1].result == {"checkpoint_id": "x"}
+    assert Phase.UPLOAD in {s.phase for s in seen} or seen[-1].phase is Phase.DONE
+    assert ex.get(job.id).progress.bytes_done == 50
+
+
+def test_errors_become_failed_jobs_with_their_kind(tmp_path: Path) -> None:
+    ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
+
+    def body(ctx: JobContext) -> None:
+        raise Unavailable("store down")
+
+    job = ex.submit(JobKind.CHECKPOINT, "w", body)
+    last = list(ex.watch(job.id))[-1]
+    assert (last.state, last.error_kind, last.error) == (
+        JobState.FAILED,
+        "unavailable",
+        "store down",
+    )
+
+
+def test_a_second_exclusive_job_is_refused_and_cancel_stops_the_first(tmp_path: Path) -> None:
+    ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
+    entered = threading.Event()
+
+    def body(ctx: JobContext) -> None:
+        entered.set()
+        while True:
+            ctx.progress(1, 2)  # raises Cancelled once cancel is requested
+            ctx.cancel_requested.wait(0.01)
+
+    first = ex.submit(JobKind.CHECKPOINT, "w", body, exclusive="checkpoint:w")
+    entered.wait(30)
+    with pytest.raises(FailedPrecondition, match=first.id):
+        ex.submit(JobKind.CHECKPOINT, "w", body, exclusive="checkpoint:w")
+    ex.cancel(first.id)
+    assert list(ex.watch(first.id))[-1].state is JobState.CANCELLED
+    with pytest.raises(NotFound):
+        ex.get("nope")

@@ -1,0 +1,206 @@
+"""End-to-end fixtures: real ``gpusnapd`` processes on unix sockets, driven by the real CLI.
+
+``nodes`` makes "nodes": each is a daemon with its own state directory and socket, sharing
+(by default) one ``file://`` store and one signing key with the other nodes of the test.
+The test process becomes a child subreaper, so the orphans of a kill-mode dump (a tree's
+child) are ours to reap and their pids are free for the restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpusnap.daemon.criu import Criu
+from gpusnap.storage import generate_signing_key
+from gpusnap.storage.errors import Unsupported
+from tests.support import workloads
+
+BIN = Path(sys.executable).parent
+HANG_GUARD = 120.0  # seconds; against hangs only
+
+
+def criu_or_skip() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU needs root; run the suite as root")
+    try:
+        Criu().check()
+    except Unsupported as exc:
+        pytest.skip(f"no working CRIU here ({exc}); run scripts/install-criu.sh")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subreaper() -> Iterator[None]:
+    workloads.set_child_subreaper(True)
+    yield
+    workloads.set_child_subreaper(False)
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+@dataclass
+class Node:
+    """One gpusnapd with its own state dir and socket."""
+
+    name: str
+    root: Path
+    store_url: str
+    key_file: Path
+    extra_config: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    _logs: list[Path] = field(default_factory=list)
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "sock" / "gpusnapd.sock"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "gpusnapd.toml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "gpusnapd.log"
+
+    def write_config(self, store_section: str | None = None) -> None:
+        store = store_section or (f'url = "{self.store_url}"\nkey_file = "{self.key_file}"\n')
+        self.config_path.write_text(
+            f"""[daemon]
+socket = "{self.socket}"
+state_dir = "{self.state_dir}"
+node_id = "{self.name}"
+
+[store]
+{store}
+[gpu]
+driver = "none"
+
+{self.extra_config}
+"""
+        )
+
+    def start(self) -> Node:
+        (self.root / "sock").mkdir(parents=True, exist_ok=True, mode=0o750)
+        if not self.config_path.exists():
+            self.write_config()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(BIN / "gpusnapd"), "--config", str(self.config_path), "--log-level", "debug"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                env={**os.environ, **self.env},
+            )
+        end = time.monotonic() + HANG_GUARD
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gpusnapd {self.name} exited: {self.log()}")
+            if self.socket.exists() and self.cli("status", "--json").rc == 0:
+                return self
+            if time.monotonic() > end:
+                raise TimeoutError(f"gpusnapd {self.name} did not come up: {self.log()}")
+            time.sleep(0.05)
+
+    def cli(self, *args: str, timeout: float = HANG_GUARD) -> Result:
+        proc = subprocess.run(
+            [str(BIN / "gpusnap"), "--socket", str(self.socket), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(HANG_GUARD)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; its children (criu, ...) get reaped by us or pid 1."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(HANG_GUARD)
+
+
+class Nodes:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.store_dir = base / "store"
+        self.key_file = base / "signing.key"
+        generate_signing_key(self.key_file)
+        self.items: list[Node] = []
+
+    def make(self, name: str, *, extra_config: str = "", store_url: str | None = None) -> Node:
+        node = Node(
+            name,
+            self.base / name,
+            store_url or f"file://{self.store_dir}",
+            self.key_file,
+            extra_config,
+        )
+        node.root.mkdir(parents=True, exist_ok=True)
+        self.items.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.items:
+            with contextlib.suppress(Exception):
+                node.stop()
+            node.kill()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Nodes]:
+    criu_or_skip()
+    n = Nodes(tmp_path)
+    yield n
+    n.close()
+
+
+@pytest.fixture
+def started() -> Iterator[list[workloads.Workload]]:
+    """Workloads a test starts; whatever still runs at the end is killed and reaped."""
+    items: list[workloads.Workload] = []
+    yield items
+    for w in items:
+        with contextlib.suppress(Exception):
+            w.kill()
+
+
+def restored_cleanup(pids: list[int]) -> None:
+    for pid in pids:
+        workloads.kill_tree(pid)

@@ -1,0 +1,113 @@
+"""gpusnapd's own life: killed mid-job, refusing a second checkpoint, refusing a bad config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon import proctree
+from tests.e2e.conftest import BIN, Node, Nodes
+from tests.support import workloads
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
+
+HOLDER = Path(__file__).with_name("memory_holder.py")
+HOLDER_MIB = 768  # big enough that the upload is still running when the test looks
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    ready = tmp_path / "holder.ready"
+    proc = subprocess.Popen(
+        [sys.executable, str(HOLDER), "--mib", str(HOLDER_MIB), "--ready", str(ready)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    workloads._poll(lambda: ready.exists() or proc.poll() is not None, 120, "the holder")
+    assert proc.poll() is None
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _job(node: Node, job_id: str) -> dict[str, object]:
+    res = node.cli("job", job_id, "--json")
+    assert res.rc == 0, res.stderr
+    data: dict[str, object] = res.json
+    return data
+
+
+def test_daemon_killed_mid_upload_comes_back_with_the_job_interrupted_and_nothing_half_committed(
+    nodes: Nodes, holder: subprocess.Popen[bytes]
+) -> None:
+    node = nodes.make("a").start()
+    queued = node.cli("checkpoint", "--pid", str(holder.pid), "--leave-running", "--json")
+    assert queued.rc == 0, queued.stderr
+    job_id = queued.json["id"]
+
+    # A second checkpoint of the same workload while the first runs is refused, clearly.
+    again = node.cli("checkpoint", "--pid", str(holder.pid), "--leave-running")
+    assert again.rc == 1
+    assert f"already has checkpoint job {job_id}" in again.stderr
+
+    deadline = time.monotonic() + 120
+    while _job(node, job_id)["phase"] != "upload":
+        assert _job(node, job_id)["state"] in ("queued", "running"), _job(node, job_id)
+        assert time.monotonic() < deadline, "the job never reached the upload phase"
+        time.sleep(0.05)
+    node.kill()
+    staged = list((node.state_dir / "staging").iterdir())
+    assert staged, "the killed daemon left its staging behind (that is what recovery cleans)"
+
+    node.start()
+    job = _job(node, job_id)
+    assert job["state"] == "interrupted"
+    assert job["error"] == "daemon restarted during the job"
+    assert not list((node.state_dir / "staging").iterdir())
+    listed = node.cli("ls", "--json")
+    assert listed.rc == 0, listed.stderr
+    assert listed.json == {"checkpoints": []}
+    assert proctree.exists(holder.pid)  # leave-running: the workload never stopped
+    status = node.cli("status", "--json").json
+    assert job_id in json.dumps(status)
+
+
+def test_a_config_error_refuses_to_start_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(
+        '[daemon]\nstate_dir = "/tmp/x"\n[[workload]]\nname = "a"\n'
+        '[[workload]]\nname = "llm"\npidfile = "/run/llm.pid"\n'
+    )
+    proc = subprocess.run(
+        [str(BIN / "gpusnapd"), "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        "gpusnapd: error: config: [[workload]] #2 'llm': unknown key 'pidfile' "
+        "(did you mean 'pid_file'?)"
+    ]
+
+
+def test_a_missing_config_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(BIN / "gpusnapd"), "--config", str(tmp_path / "nope.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"gpusnapd: error: config: {tmp_path / 'nope.toml'}: no such file"
