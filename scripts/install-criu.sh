@@ -11,6 +11,13 @@
 #
 # Idempotent: when a working criu >= 4.0 is already there it only checks and exits.
 # See docs/operations-criu.md.
+#
+# Two more modes, for machines that reach no network (tests/gpu/device-check.sh):
+#   install-criu.sh --download-debs DIR   download the Debian 13 packages below into DIR (no root;
+#                                         apt runs on a private state; any Debian/Ubuntu with apt)
+#   install-criu.sh --from-debs DIR       the Debian 12 path from those files instead of apt, on any
+#                                         amd64 Linux (run as root; no network, no apt, /etc untouched)
+# GPUSNAP_CRIU_PREFIX and GPUSNAP_CRIU_WRAPPER move the prefix and the wrapper (e.g. under /tmp).
 set -euo pipefail
 
 PREFIX=${GPUSNAP_CRIU_PREFIX:-/opt/gpusnap/criu}
@@ -54,6 +61,46 @@ summary() {
   echo "install-criu: criu $(criu_version "$bin") at $bin ($how): $check"
 }
 
+mode=install
+debs_dir=
+case "${1:-}" in
+  "") ;;
+  --from-debs | --download-debs)
+    [ $# -eq 2 ] && [ -n "$2" ] || die "usage: $0 [--from-debs DIR | --download-debs DIR]"
+    mode=${1#--}
+    debs_dir=$2
+    ;;
+  *) die "usage: $0 [--from-debs DIR | --download-debs DIR]" ;;
+esac
+
+# --download-debs: TRIXIE_PACKAGES into $debs_dir, through a private apt state (no root needed).
+download_debs() {
+  command -v apt-get >/dev/null || die "--download-debs needs apt-get"
+  [ -s /usr/share/keyrings/debian-archive-keyring.gpg ] \
+    || die "missing /usr/share/keyrings/debian-archive-keyring.gpg; apt-get install debian-archive-keyring"
+  mkdir -p "$debs_dir"
+  work=$(mktemp -d /tmp/gpusnap-apt.XXXXXX)
+  trap 'rm -rf "$work"' EXIT
+  mkdir -p "$work/lists/partial" "$work/cache/archives/partial"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main" \
+    >"$work/sources.list"
+  local apt=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=/dev/null"
+    -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache" -o "APT::Architecture=amd64"
+    -o "APT::Architectures=amd64" -o "Debug::NoLocking=1" -o "APT::Sandbox::User=$(id -un)"
+    -o "Dir::State::status=/dev/null" -o "Dir::Etc::Preferences=/dev/null"
+    -o "Dir::Etc::PreferencesParts=/dev/null")
+  apt-get "${apt[@]}" update -qq || die "apt-get update (trixie, private state) failed"
+  rm -f "$debs_dir"/*.deb
+  (cd "$debs_dir" && apt-get "${apt[@]}" download -qq "${TRIXIE_PACKAGES[@]}") \
+    || die "apt-get download from trixie failed"
+  log "downloaded $(ls "$debs_dir"/*.deb | wc -l) packages ($(du -sh "$debs_dir" | cut -f1)) into $debs_dir"
+}
+
+if [ "$mode" = download-debs ]; then
+  download_debs
+  exit 0
+fi
+
 [ "$(id -u)" -eq 0 ] || die "must run as root (CRIU needs CAP_SYS_ADMIN); try: sudo $0"
 
 # Fast path: something already works. Our wrapper first (it shadows an old system criu).
@@ -64,12 +111,53 @@ for cand in "$WRAPPER" "$(command -v criu 2>/dev/null || true)"; do
   fi
 done
 
-. /etc/os-release
+[ -r /etc/os-release ] && . /etc/os-release
 distro_id=${ID:-unknown}
 codename=${VERSION_CODENAME:-}
 major=${VERSION_ID:-0}
 major=${major%%.*}
-arch=$(dpkg --print-architecture)
+PRETTY_NAME=${PRETTY_NAME:-$distro_id}
+if command -v dpkg >/dev/null; then
+  arch=$(dpkg --print-architecture)
+else
+  arch=$(uname -m)
+  [ "$arch" != x86_64 ] || arch=amd64
+fi
+
+# dpkg -x, or Python's ar/tar readers where dpkg is missing (a .deb is an ar archive).
+deb_extract() {
+  if command -v dpkg-deb >/dev/null; then
+    dpkg-deb -x "$1" "$2"
+    return
+  fi
+  python3 - "$1" "$2" <<'PY'
+import io, sys, tarfile
+deb, dest = sys.argv[1], sys.argv[2]
+with open(deb, "rb") as f:
+    if f.read(8) != b"!<arch>\n":
+        sys.exit(f"{deb}: not a .deb")
+    while header := f.read(60):
+        name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
+        body = f.read(size + size % 2)[:size]
+        if name.startswith("data.tar"):
+            if name.endswith(".zst"):
+                sys.exit(f"{deb}: zstd data needs dpkg-deb")
+            with tarfile.open(fileobj=io.BytesIO(body)) as t:
+                t.extractall(dest, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
+            break
+    else:
+        sys.exit(f"{deb}: no data.tar member")
+PY
+}
+
+# "Package Version" of a .deb (dpkg-deb, or the file name's package_version_arch.deb).
+deb_ident() {
+  if command -v dpkg-deb >/dev/null; then
+    dpkg-deb --showformat='${Package} ${Version}\n' -W "$1"
+  else
+    basename "$1" .deb | awk -F_ '{gsub("%3a", ":", $2); print $1, $2}'
+  fi
+}
 
 install_from_apt() {
   log "installing criu with apt-get ($PRETTY_NAME)"
@@ -108,21 +196,38 @@ EOF
     || die "missing /usr/share/keyrings/debian-archive-keyring.gpg; apt-get install debian-archive-keyring"
   apt-get update -qq
 
-  local staging
   work=$(mktemp -d /tmp/gpusnap-criu.XXXXXX)
   trap 'rm -rf "$work"' EXIT
   chmod 755 "$work"
   chown _apt "$work" 2>/dev/null || true # apt downloads as its sandbox user
-  staging=$PREFIX.new
-  rm -rf "$staging"
-  mkdir -p "$staging" "$(dirname "$WRAPPER")"
 
   local specs=()
   for p in "${TRIXIE_PACKAGES[@]}"; do specs+=("$p/trixie"); done
   (cd "$work" && apt-get download -qq "${specs[@]}") || die "apt-get download from trixie failed"
-  for deb in "$work"/*.deb; do dpkg -x "$deb" "$staging"; done
-  for deb in "$work"/*.deb; do dpkg-deb --showformat='${Package} ${Version}\n' -W "$deb"; done \
-    | sort >"$staging/PACKAGES"
+  install_prefix_from "$work" "Debian 13 criu in $PREFIX"
+}
+
+install_from_debs() {
+  [ "$arch" = amd64 ] || die "the carried packages are amd64 (this is $arch)"
+  [ -d "$debs_dir" ] || die "no folder $debs_dir"
+  local p missing=()
+  for p in "${TRIXIE_PACKAGES[@]}"; do
+    compgen -G "$debs_dir/${p}_*.deb" >/dev/null || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] || die "$debs_dir lacks: ${missing[*]} (run $0 --download-debs $debs_dir)"
+  log "unpacking Debian 13's criu from $debs_dir into $PREFIX (no network, nothing installed)"
+  install_prefix_from "$debs_dir" "Debian 13 criu in $PREFIX, from $debs_dir"
+}
+
+# Unpacks every .deb of $1 into $PREFIX (through $PREFIX.new), checks that criu resolves every
+# library inside it, writes $WRAPPER and checks it ($2: how, for the summary).
+install_prefix_from() {
+  local src=$1 how=$2 staging deb
+  staging=$PREFIX.new
+  rm -rf "$staging"
+  mkdir -p "$staging" "$(dirname "$WRAPPER")"
+  for deb in "$src"/*.deb; do deb_extract "$deb" "$staging" || die "cannot unpack $deb"; done
+  for deb in "$src"/*.deb; do deb_ident "$deb"; done | sort >"$staging/PACKAGES"
   rm -rf "$staging/usr/share/doc" "$staging/usr/share/man" "$staging/usr/share/locale"
 
   local libdir=$staging/usr/lib/x86_64-linux-gnu ld
@@ -153,8 +258,13 @@ EOF
   mv "$tmp_wrapper" "$WRAPPER"
 
   criu_works "$WRAPPER" || die "$WRAPPER does not work: $("$WRAPPER" check 2>&1 | tail -n1)"
-  summary "$WRAPPER" "Debian 13 criu in $PREFIX"
+  summary "$WRAPPER" "$how"
 }
+
+if [ "$mode" = from-debs ]; then
+  install_from_debs
+  exit 0
+fi
 
 case "$distro_id:$major:$codename" in
   debian:12:* | debian:*:bookworm) install_private_trixie ;;

@@ -3,62 +3,196 @@
 #
 #   tests/gpu/device-check.sh            (from the repository root, as root)
 #
-# Installs what the machine lacks from carried files, never from a network:
-#   .whl/*.whl  Python wheels (cp312 manylinux x86_64), pip --no-index --target .deps
-#   .deb/*.deb  Debian 13 criu, libcompel1 and their libraries, dpkg -x into a private prefix
-# (tests/gpu/prepare-carry.sh fills both on a machine with network.) Then runs tests/gpu and
-# prints the figures. On a machine without a GPU every test skips and the script exits 0.
+# Installs what the machine lacks from carried files (tests/gpu/prepare-carry.sh fills them on
+# a machine with network), never from a network, and nothing into /:
+#   .whl/*.whl            pip --no-index --no-deps --target $WORK/site (always)
+#   .whl/ifmissing/*.whl  the same, each only where the machine lacks that distribution (pytest)
+#   .deb/*.deb            scripts/install-criu.sh --from-debs: Debian 13 criu in $WORK/criu
+# then prints the machine (date, GPU, driver, kernel, versions) and the driver's capabilities as
+# gpusnap's worker sees them, runs `pytest tests/gpu`, and prints the figures. On a machine
+# without a GPU every test skips and the script exits 0.
+#
+# Everything it prints goes to $OUT/device-check.log as well ($OUT: the device tool's folder
+# that comes back; a temporary folder when unset), with $OUT/figures.jsonl, $OUT/capabilities.json
+# and $OUT/logs.tar.gz (CRIU and workload logs of the run, CRIU images left out).
+#
+# Time: the whole script stops within GPUSNAP_DEVICE_BUDGET seconds (default 330): pytest gets
+# what is left after setup less 20 s, each test at most GPUSNAP_DEVICE_TEST_TIMEOUT (120 s).
+# GPUSNAP_DEVICE_PYTEST_ARGS adds pytest arguments (a rerun of some tests: "-k kill").
+# GPUSNAP_DEVICE_WHEELS=skip uses the interpreter's own packages (a dry run on another Python).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$ROOT"
+cd "$ROOT" || exit 1
 PY=${PYTHON:-python3}
-OUT_DIR=${OUT:-$(mktemp -d /tmp/gpusnap-device.XXXXXX)}
-mkdir -p "$OUT_DIR"
+BUDGET=${GPUSNAP_DEVICE_BUDGET:-330}
+TEST_TIMEOUT=${GPUSNAP_DEVICE_TEST_TIMEOUT:-120}
+WORK=${GPUSNAP_DEVICE_WORK:-/tmp/gpusnap-device}
+OUT_DIR=${OUT:-$WORK-out}
+rm -rf "$WORK" && mkdir -p "$WORK" "$OUT_DIR" || exit 1
+
 say() { echo "device-check: $*"; }
+elapsed() { echo $((SECONDS - START)); }
 
-say "python: $("$PY" --version 2>&1) at $(command -v "$PY")"
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader
-[ -r /proc/driver/nvidia/version ] && head -n1 /proc/driver/nvidia/version
+machine() {
+  say "=== gpusnap device check, $(date -u +%Y-%m-%dT%H:%M:%SZ) ==="
+  say "host $(hostname 2>/dev/null || echo '?'), kernel $(uname -r) $(uname -m)$([ "$(uname -r)" = 4.4.0 ] && echo ' (gVisor)')"
+  say "tree: git $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,uuid --format=csv,noheader \
+      | sed 's/^/device-check: gpu: /'
+  else
+    say "gpu: no nvidia-smi"
+  fi
+  [ -r /proc/driver/nvidia/version ] && say "driver: $(head -n1 /proc/driver/nvidia/version)"
+  say "python: $("$PY" --version 2>&1) at $(command -v "$PY")"
+  # The machine's own versions, before anything carried shadows them (to trim the carry).
+  "$PY" - <<'PY' 2>&1 | sed 's/^/device-check: /'
+import importlib.metadata as m
+names = ["torch", "cuda-bindings", "cuda-pathfinder", "grpcio", "protobuf", "pytest",
+         "pytest-timeout", "typing-extensions", "numpy", "cryptography", "zstandard"]
+have = []
+for n in names:
+    try:
+        have.append(f"{n} {m.version(n)}")
+    except m.PackageNotFoundError:
+        have.append(f"{n} -")
+print("machine's packages: " + ", ".join(have))
+PY
+}
 
-# -- Python dependencies from carried wheels --------------------------------------------------
-DEPS=$ROOT/.deps
-if compgen -G ".whl/*.whl" >/dev/null; then
-  say "installing $(ls .whl/*.whl | wc -l) carried wheels into $DEPS"
-  "$PY" -m pip install --quiet --no-index --find-links .whl --target "$DEPS" --upgrade \
-    .whl/*.whl || { say "pip install from .whl failed"; exit 1; }
-fi
-export PYTHONPATH=$ROOT/src:$DEPS:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-"$PY" -c "import pytest, gpusnap.daemon.gpu" || { say "pytest or gpusnap not importable"; exit 1; }
+install_wheels() {
+  SITE=$WORK/site
+  if [ "${GPUSNAP_DEVICE_WHEELS:-install}" = skip ]; then
+    say "wheels: not installed (GPUSNAP_DEVICE_WHEELS=skip): using $PY's own packages"
+    return 0
+  fi
+  compgen -G ".whl/*.whl" >/dev/null || {
+    say "wheels: none carried in .whl/ (run tests/gpu/prepare-carry.sh and carry .whl)"
+    return 0
+  }
+  local wheels=(.whl/*.whl) w dist
+  for w in .whl/ifmissing/*.whl; do
+    [ -e "$w" ] || continue
+    dist=$(basename "$w")
+    dist=${dist%%-*}
+    "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null \
+      || wheels+=("$w")
+  done
+  say "wheels: installing ${#wheels[@]} into $SITE: $(for w in "${wheels[@]}"; do basename "$w" | cut -d- -f1-2; done | tr '\n' ' ')"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --disable-pip-version-check --target "$SITE" "${wheels[@]}" \
+    || { say "FAILED: pip install of the carried wheels"; return 1; }
+}
 
-# -- CRIU >= 4 from carried .deb files --------------------------------------------------------
-if compgen -G ".deb/*.deb" >/dev/null; then
-  PREFIX=${GPUSNAP_CRIU_PREFIX:-/tmp/gpusnap-criu}
-  rm -rf "$PREFIX" && mkdir -p "$PREFIX"
-  for deb in .deb/*.deb; do dpkg -x "$deb" "$PREFIX"; done
-  L=$PREFIX/usr/lib/x86_64-linux-gnu
-  cat >"$PREFIX/criu" <<WRAP
-#!/bin/sh
-exec "$L/ld-linux-x86-64.so.2" --library-path "$L" --argv0 criu "$PREFIX/usr/sbin/criu" "\$@"
-WRAP
-  chmod 755 "$PREFIX/criu"
-  export GPUSNAP_CRIU=$PREFIX/criu
-  say "criu: $("$GPUSNAP_CRIU" --version 2>&1 | head -n1); check: $("$GPUSNAP_CRIU" check 2>&1 | tail -n1)"
-elif command -v criu >/dev/null; then
-  say "criu: system $(criu --version 2>&1 | head -n1)"
-else
-  say "no CRIU carried or installed: the kill-and-restore tests will skip"
-fi
+install_criu() {
+  if ! compgen -G ".deb/*.deb" >/dev/null; then
+    say "criu: no .deb/ carried; trying this machine's own"
+  else
+    GPUSNAP_CRIU_PREFIX=$WORK/criu GPUSNAP_CRIU_WRAPPER=$WORK/criu-wrapper \
+      timeout 120 bash scripts/install-criu.sh --from-debs .deb 2>&1 | sed 's/^/device-check: /'
+  fi
+  if [ -x "$WORK/criu-wrapper" ]; then
+    export GPUSNAP_CRIU=$WORK/criu-wrapper
+  elif command -v criu >/dev/null; then
+    export GPUSNAP_CRIU
+    GPUSNAP_CRIU=$(command -v criu)
+  else
+    say "criu: none: the kill-and-restore tests will skip"
+    return 0
+  fi
+  say "criu: $GPUSNAP_CRIU, $("$GPUSNAP_CRIU" --version 2>&1 | head -n1)"
+  say "criu check (full output):"
+  timeout 60 "$GPUSNAP_CRIU" check 2>&1 | sed 's/^/device-check:   /'
+  [ -d /usr/lib/criu ] && say "criu plugins on this machine (/usr/lib/criu): $(ls /usr/lib/criu | tr '\n' ' ')"
+  return 0
+}
 
-# -- the checks ---------------------------------------------------------------------------------
-export GPUSNAP_FIGURES=$OUT_DIR/figures.jsonl
-: >"$GPUSNAP_FIGURES"
-timeout "${GPUSNAP_DEVICE_TIMEOUT:-540}" "$PY" -m pytest tests/gpu -v -s -p no:cacheprovider \
-  -W "ignore::DeprecationWarning" -W "ignore::UserWarning" -o addopts="-ra --strict-markers" \
-  2>&1 | tee "$OUT_DIR/pytest.log"
-rc=${PIPESTATUS[0]}
+capabilities() {
+  # The real driver through gpusnap's own worker: what the tests will find.
+  timeout 90 "$PY" - "$OUT_DIR/capabilities.json" <<'PY' 2>&1 | sed 's/^/device-check: /'
+import json, sys
+from gpusnap.daemon.gpu import GpuCoordinator
+c = GpuCoordinator.create(driver="cuda", call_timeout_s=60.0)
+try:
+    caps = c.capabilities()
+finally:
+    c.close()
+with open(sys.argv[1], "w") as f:
+    json.dump(caps, f, indent=1, default=str)
+devices = caps.pop("devices", [])
+print("capabilities: " + json.dumps(caps, default=str))
+for d in devices:
+    print("capabilities: device " + json.dumps(d, default=str))
+PY
+}
 
-say "figures:"
-if [ -s "$GPUSNAP_FIGURES" ]; then cat "$GPUSNAP_FIGURES"; else say "(none: no GPU test ran)"; fi
-say "pytest exit status $rc; log and figures in $OUT_DIR"
-exit "$rc"
+print_figures() {
+  say "=== figures ($GPUSNAP_FIGURES) ==="
+  if [ ! -s "$GPUSNAP_FIGURES" ]; then
+    say "(none: no GPU test got that far)"
+    return
+  fi
+  "$PY" - "$GPUSNAP_FIGURES" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    fig = json.loads(line)
+    name = fig.pop("figure")
+    vals = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in fig.items())
+    print(f"device-check: FIGURE {name}: {vals}")
+PY
+}
+
+main() {
+  START=$SECONDS
+  machine
+
+  say "=== setup ==="
+  install_wheels || return 1
+  export PYTHONPATH=$ROOT/src:${SITE:-$WORK/site}:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+  "$PY" - <<'PY' 2>&1 | sed 's/^/device-check: /'
+import importlib.metadata as m
+import gpusnap, gpusnap.storage, gpusnap.daemon.criu, gpusnap.daemon.gpu, pytest, pytest_timeout
+names = ["zstandard", "blake3", "pyfastcdc", "cryptography", "cffi", "protobuf", "grpcio",
+         "cuda-bindings", "jeepney", "pytest", "pytest-timeout"]
+print("imports ok: gpusnap from " + gpusnap.__path__[0] + "; "
+      + ", ".join(f"{n} {m.version(n)}" for n in names))
+PY
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { say "FAILED: gpusnap or pytest not importable"; return 1; }
+  "$PY" -c "import gpusnap.daemon.main, gpusnap.cli.main" 2>&1 | tail -n1 | sed 's/^/device-check: daemon import: /'
+  [ "${PIPESTATUS[0]}" -eq 0 ] && say "daemon and cli import ok (gRPC, protobuf gencode)"
+  install_criu
+  capabilities
+  say "setup took $(elapsed) s"
+
+  say "=== pytest tests/gpu ==="
+  export GPUSNAP_FIGURES=$OUT_DIR/figures.jsonl
+  : >"$GPUSNAP_FIGURES"
+  local left=$((BUDGET - $(elapsed) - 20)) rc
+  [ "$left" -ge 30 ] || left=30
+  say "pytest budget ${left} s, ${TEST_TIMEOUT} s a test"
+  # Only pytest-timeout as a plugin: none of the machine's others (xdist, cov, benchmark, ...).
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 10 "$left" "$PY" -m pytest tests/gpu -v -s \
+    -p pytest_timeout -p no:cacheprovider --basetemp="$WORK/pytest" --timeout="$TEST_TIMEOUT" \
+    -o addopts="-ra --strict-markers" \
+    -W "ignore::DeprecationWarning" -W "ignore::UserWarning" ${GPUSNAP_DEVICE_PYTEST_ARGS:-} 2>&1
+  rc=$?
+  [ "$rc" -eq 124 ] && say "pytest STOPPED at the ${left} s budget"
+
+  print_figures
+  if [ -d "$WORK/pytest" ]; then
+    (cd "$WORK/pytest" && find . -name '*.log' -size -20M -print0 \
+      | tar --null -czf "$OUT_DIR/logs.tar.gz" -T - 2>/dev/null)
+    # The device tool brings back files of at most 16 MiB.
+    if [ "$(stat -c %s "$OUT_DIR/logs.tar.gz" 2>/dev/null || echo 0)" -gt $((15 * 2 ** 20)) ]; then
+      say "logs.tar.gz over 15 MiB: left out"
+      rm -f "$OUT_DIR/logs.tar.gz"
+    fi
+  fi
+  say "=== done: pytest exit status $rc after $(elapsed) s; files in $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ') ==="
+  return "$rc"
+}
+
+main 2>&1 | tee "$OUT_DIR/device-check.log"
+exit "${PIPESTATUS[0]}"
