@@ -110,6 +110,7 @@ def main() -> int:
         return 1
     criu = Criu()
     criu.check()
+    load_start = os.getloadavg()
     work = (args.workdir or Path(f"/dev/shm/gpusnap-bench-{os.getpid()}")).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -198,34 +199,33 @@ def main() -> int:
         holder.kill()
         holder.wait()
         bare_restores: list[float] = []
+        bare_restore_criu: list[float] = []
         restores: list[dict[str, Any]] = []
+        # Like the dumps, restores alternate which side goes first, so that neither always
+        # runs right after the other's work (on a shared 2-core machine that matters).
         for round_ in range(args.rounds):
-            rs, _ = cli(sock, "restore", checkpoints[-1]["checkpoint_id"], "--wait", "--json")
-            if rs.get("mode") != "restored":
-                raise RuntimeError(f"gpusnapd cold-started: {rs.get('reasons')}")
-            restores.append(rs)
-            kill_and_reap(rs["pids"][0], ours=False)
-            pidfile = work / f"bare-restore-{round_}.pid"
-            bare_restores.append(
-                run(
-                    [
-                        str(criu.path),
-                        "restore",
-                        "-D",
-                        str(dec),
-                        "--restore-detached",
-                        "--restore-sibling",
-                        *CRIU_COMMON,
-                        "--pidfile",
-                        str(pidfile),
-                        "-o",
-                        str(work / f"bare-restore-{round_}.log"),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            kill_and_reap(int(pidfile.read_text()), ours=True)
+            for side in ("gpusnapd", "bare") if round_ % 2 == 0 else ("bare", "gpusnapd"):
+                if side == "gpusnapd":
+                    rs, _ = cli(
+                        sock, "restore", checkpoints[-1]["checkpoint_id"], "--wait", "--json"
+                    )
+                    if rs.get("mode") != "restored":
+                        raise RuntimeError(f"gpusnapd cold-started: {rs.get('reasons')}")
+                    restores.append(rs)
+                    kill_and_reap(rs["pids"][0], ours=False)
+                    continue
+                pidfile = work / f"bare-restore-{round_}.pid"
+                t = time.monotonic()
+                out = subprocess.run(
+                    [str(criu.path), "restore", "-D", str(dec), "--restore-detached",
+                     "--restore-sibling", *CRIU_COMMON, "--pidfile", str(pidfile),
+                     "--display-stats", "-o", str(work / f"bare-restore-{round_}.log")],
+                    capture_output=True, text=True, timeout=GUARD, check=True,
+                    stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+                bare_restores.append(time.monotonic() - t)
+                bare_restore_criu.append(parse_stats(out.stdout).get("Restore time", 0) / 1e6)
+                kill_and_reap(int(pidfile.read_text()), ours=True)
         bare_restore = min(bare_restores)
         rs = min(restores, key=lambda r: float(r["seconds"]))
     finally:
@@ -256,6 +256,7 @@ def main() -> int:
             "dump_s": round(bare_dump, 3),
             "dumps_s": [round(w, 3) for w, _ in bare_dumps],
             "restores_s": [round(r, 3) for r in bare_restores],
+            "restores_criu_stat_s": [round(r, 3) for r in bare_restore_criu],
             "dump_frozen_s": round(bare_frozen, 3),
             "zstd_s": round(bare_zstd, 3),
             "zstd_bytes": zst_bytes,
@@ -274,14 +275,20 @@ def main() -> int:
             "restores_s": [round(float(r["seconds"]), 3) for r in restores],
             "restore_fetch_s": rs.get("fetch_seconds"),
             "restore_criu_s": rs.get("restore_seconds"),
+            "restores_criu_s": [r.get("restore_seconds") for r in restores],
+            "restores_criu_stat_s": [r.get("criu_restore_time_seconds") for r in restores],
+            "restores_fetch_s": [r.get("fetch_seconds") for r in restores],
         },
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
         "targets": {
             k: {"value_s": round(v, 3), "limit_s": round(lim, 3), "met": v <= lim, "rule": rule}
             for k, (v, lim, rule) in targets.items()
         },
     }
     b, g = result["bare"], result["gpusnapd"]
-    print(f"\nprocess: {args.gib:g} GiB held, {images_bytes / 2**20:.0f} MiB of CRIU images")
+    print(f"\nload average at start {load_start[0]:.2f}, at end {result['loadavg_end'][0]:.2f}")
+    print(f"process: {args.gib:g} GiB held, {images_bytes / 2**20:.0f} MiB of CRIU images")
     print(f"{'':34}{'seconds':>9}")
     rows = [
         ("bare criu dump (leave-running)", b["dump_s"]),

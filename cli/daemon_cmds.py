@@ -373,14 +373,35 @@ def cmd_workloads(args: argparse.Namespace) -> int:
     rows = [
         [
             str(w.get("name", "?")),
-            str(_first(w, "pid_file", "systemd_unit", "match", "pid", default="-")),
+            str(w.get("pid") or "-"),
+            str(_first(w, "finder", "pid_file", "systemd_unit", "match", default="-")),
             _named(w.get("engine")),
             _named(w.get("model")),
+            str(w.get("last_checkpoint_id") or "-"),
+            _age(w.get("last_checkpoint_age_seconds")),
         ]
         for w in workloads
     ]
-    _out(render_table(["NAME", "FOUND BY", "ENGINE", "MODEL"], rows))
+    headers = ["NAME", "PID", "FOUND BY", "ENGINE", "MODEL", "LAST CHECKPOINT", "AGE"]
+    _out(render_table(headers, rows))
+    errors = {str(w["store_error"]) for w in workloads if w.get("store_error")}
+    for err in sorted(errors):
+        _out(f"store unreachable, last checkpoints unknown: {err}")
     return EXIT_OK
+
+
+def _age(seconds: Any) -> str:
+    """``3725.2`` -> ``1h02m``; None -> ``-``."""
+    if not isinstance(seconds, int | float):
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _named(value: Any) -> str:
@@ -397,6 +418,58 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print_json(status)
         return EXIT_OK
-    for key in sorted(status):
-        _out(f"{key}: {status[key]}")
+    # Scalars as "key: value"; then the store, the capabilities and the workloads' last
+    # good checkpoints, each in its own shape (any of them may be missing from an older daemon).
+    lines = [
+        f"{key}: {value}"
+        for key, value in sorted(status.items())
+        if not isinstance(value, dict | list) and value is not None
+    ]
+    store = status.get("store")
+    if isinstance(store, dict):
+        lines.append(f"store_url: {store.get('url')}")
+    caps = status.get("capabilities")
+    if isinstance(caps, dict):
+        lines += [f"{name}: {line}" for name, line in caps.items()]
+    interrupted = status.get("interrupted_at_start")
+    if interrupted:
+        lines.append(f"interrupted at start: {', '.join(str(j) for j in interrupted)}")
+    _out("\n".join(lines))
+    rows = [
+        [
+            str(w.get("name", "?")),
+            str(w.get("last_checkpoint_id") or "-"),
+            _age(w.get("last_checkpoint_age_seconds")),
+        ]
+        for w in status.get("workloads") or []
+        if isinstance(w, dict)
+    ]
+    if rows:
+        _out(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
+    return EXIT_OK
+    store = status.get("store") or {}
+    lines = [
+        f"gpusnapd {status.get('version')} on {status.get('node_id')} (pid {status.get('pid')}), "
+        f"up {_age(status.get('uptime_seconds'))}, {status.get('jobs_running', 0)} job(s) running",
+        f"socket: {status.get('socket')}",
+        f"state: {status.get('state_dir')}, staging: {status.get('staging_dir', '-')}",
+        f"store: {store.get('url')}",
+    ]
+    for name, line in (status.get("capabilities") or {}).items():
+        lines.append(f"{name}: {line}")
+    if status.get("interrupted_at_start"):
+        lines.append(f"interrupted at start: {', '.join(status['interrupted_at_start'])}")
+    _out("\n".join(lines))
+    workloads = status.get("workloads") or []
+    if workloads:
+        rows = [
+            [
+                str(w.get("name", "?")),
+                str(w.get("last_checkpoint_id") or "-"),
+                _age(w.get("last_checkpoint_age_seconds")),
+            ]
+            for w in workloads
+            if isinstance(w, dict)
+        ]
+        _out(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
     return EXIT_OK

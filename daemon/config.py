@@ -53,6 +53,10 @@ class DaemonSection:
     node_id: str | None = None  # default: the host name
     max_jobs: int = 4  # jobs running at once; more wait in QUEUED
     tcp: TcpListener | None = None
+    # Where images are written between CRIU and the store (default <state_dir>/staging): a
+    # tmpfs or local NVMe here keeps dump and restore off slower disks.
+    staging_dir: Path | None = None
+    criu_log_level: int = 4  # criu -v0..-v4 for its per-job log (kept only on failure)
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,11 @@ def _parse_daemon(t: _Table) -> DaemonSection:
         node_id=t.string("node_id"),
         max_jobs=t.integer("max_jobs", minimum=1) or d.max_jobs,
         tcp=tcp,
+        staging_dir=t.path("staging_dir"),
+        criu_log_level=_or(t.integer("criu_log_level", minimum=0), d.criu_log_level),
     )
+    if section.criu_log_level > 4:
+        raise t._bad("criu_log_level", "must be 0 to 4 (criu -v0 .. -v4)")
     t.done()
     return section
 

@@ -1,8 +1,9 @@
 """CRIU, at arm's length: find it, check it, dump a process tree, restore it detached.
 
 One ``Criu`` object wraps one criu binary (>= 4.0). ``dump`` and ``restore`` run it as a
-subprocess with a verbose log in the staging directory; a failure becomes one of our error kinds
-whose one-line message carries the most telling ``Error (...)`` line of that log.
+subprocess with a log (``-v4`` unless configured lower) in the logs directory; a failure
+becomes one of our error kinds whose one-line message carries the most telling
+``Error (...)`` line of that log.
 
 The options gpusnap passes, and why (docs/operations-criu.md has the long form):
 
@@ -85,9 +86,16 @@ class RestoreResult:
 
 
 class Criu:
-    """One criu binary. ``path``: explicit (config) > $GPUSNAP_CRIU > the wrapper > $PATH."""
+    """One criu binary. ``path``: explicit (config) > $GPUSNAP_CRIU > the wrapper > $PATH.
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    ``log_level`` is criu's ``-v`` for the per-call log (0..4; 4, the default, is what a failure
+    report needs and costs little: ~80 KB of log for a 2 GiB restore).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, log_level: int = 4) -> None:
+        if not 0 <= log_level <= 4:
+            raise InvalidArgument(f"criu log level must be 0 to 4, not {log_level}")
+        self.log_level = log_level
         self._configured = Path(path) if path else None
         self._path: Path | None = None
         self._version: tuple[int, int, int] | None = None
@@ -198,7 +206,7 @@ class Criu:
             "criu_version": _fmt(self.version()),
         }
         argv = [str(self.path), "dump", "--tree", str(pid), "--images-dir", str(images)]
-        argv += ["--log-file", str(logp), "-v4", "--display-stats"]
+        argv += ["--log-file", str(logp), f"-v{self.log_level}", "--display-stats"]
         argv += _common_options(options)
         argv += ["--link-remap"]
         if leave_running:
@@ -251,7 +259,8 @@ class Criu:
             options["tcp_established"] = tcp_established
         pidp.unlink(missing_ok=True)
         argv = [str(self.path), "restore", "--images-dir", str(images), "--restore-detached"]
-        argv += ["--pidfile", str(pidp), "--log-file", str(logp), "-v4", "--display-stats"]
+        argv += ["--pidfile", str(pidp), "--log-file", str(logp), f"-v{self.log_level}"]
+        argv.append("--display-stats")
         argv += _common_options(options)
         if sibling:
             argv.append("--restore-sibling")

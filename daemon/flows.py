@@ -4,8 +4,8 @@ Checkpoint: look at the tree -> GPU freeze -> CRIU dump into staging -> (leave-r
 thaw; the pause ends here) -> stamp -> push to the store (manifest last) -> clean staging.
 The store is asked for the workload's latest checkpoint (the parent) *before* the dump, so an
 unreachable store fails the job while the workload is still untouched. If the upload of a
-kill-mode dump fails, the workload is restored on this node from the local images, so a
-failed checkpoint never loses it.
+kill-mode dump fails, the workload is restored on this node from the local images — its GPU
+state too — so a failed checkpoint never loses it.
 
 Restore: authenticated manifest -> compatibility gate -> on any reason, cold start with every
 reason; else pull into staging -> CRIU restore detached -> GPU restore -> report pids.
@@ -32,6 +32,7 @@ from gpusnap.storage.streams import GPU_MEMORY_KIND
 
 if TYPE_CHECKING:
     from gpusnap.daemon.service import DaemonService
+    from gpusnap.storage import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,10 @@ def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) 
             )
         except GpusnapError as err:
             if not req.leave_running:
-                raise type(err)(f"{err}; {_rescue(svc, ctx, images)}") from err
+                rescued = _rescue(
+                    svc, ctx, images, freeze=freeze, gpu_stamp=stamp["gpu"], store=store
+                )
+                raise type(err)(f"{err}; {rescued}") from err
             raise
         ctx.phase(Phase.COMMIT)
         committed = time.time()
@@ -194,24 +198,47 @@ def _thaw_after_failure(svc: DaemonService, freeze: Any) -> None:
         log.warning("GPU thaw after a failed dump failed too: %s", err)
 
 
-def _rescue(svc: DaemonService, ctx: JobContext, images: Path) -> str:
-    """A kill-mode dump whose upload failed: bring the workload back from the local images."""
+def _rescue(
+    svc: DaemonService,
+    ctx: JobContext,
+    images: Path,
+    *,
+    freeze: Any,
+    gpu_stamp: dict[str, Any],
+    store: CheckpointStore,
+) -> str:
+    """A kill-mode dump whose upload failed: bring the workload back from the local images,
+    and its CUDA processes back onto their GPUs (CRIU alone leaves them CHECKPOINTED)."""
     kept = svc.state_dir / "kept" / ctx.job_id
+    sibling = not systemd_running()
     try:
         restored = svc.criu.restore(
             images,
             log_path=svc.logs_dir / f"{ctx.job_id}-rescue.log",
             pidfile=svc.logs_dir / f"{ctx.job_id}-rescue.pid",
             scope_unit=f"gpusnap-rescue-{ctx.job_id}",
-            sibling=not systemd_running(),
+            sibling=sibling,
         )
     except GpusnapError as err:
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(images), str(kept))
         return f"restoring the workload locally failed too ({err}); its images are kept in {kept}"
-    if not systemd_running():
+    if sibling:
         svc.adopt(restored.pid)
-    return f"the workload was restored on this node from the local dump (pid {restored.pid})"
+    done = f"the workload was restored on this node from the local dump (pid {restored.pid})"
+    if not freeze.cuda_pids:
+        return done
+    try:
+        if getattr(freeze, "uploaded_streams", None) is not None:
+            # Custom storage: the device memory is in the store's (uncommitted) streams only;
+            # thawing the freeze refills it from there.
+            svc.gpu.thaw(freeze)
+        else:
+            svc.gpu.restore(list(freeze.cuda_pids), gpu_stamp, store=store)
+    except GpusnapError as err:
+        log.warning("GPU restore after the local rescue of job %s failed: %s", ctx.job_id, err)
+        return f"{done}, but its GPU state was not restored ({err})"
+    return f"{done} with its GPU state"
 
 
 def _watched_files(pids: list[int]) -> list[tuple[str, str]]:
@@ -334,6 +361,8 @@ def run_restore(svc: DaemonService, ctx: JobContext, req: RestoreRequest) -> Non
             checkpoint_id, images, progress=ctx.progress, exclude_kinds=(GPU_MEMORY_KIND,)
         )
         ctx.phase(Phase.RESTORE_PROCESS)
+        # From here the tree runs (or is being made to): a cancel could only orphan it.
+        ctx.cancellable = False
         sibling = not systemd_running()
         restored = svc.criu.restore(
             images,
@@ -361,6 +390,9 @@ def run_restore(svc: DaemonService, ctx: JobContext, req: RestoreRequest) -> Non
             bytes_fetched=pulled.bytes_fetched,
             bytes_total=pulled.bytes_total,
             restore_seconds=round(restored.wall_seconds, 6),
+            # CRIU's own account (--display-stats): its time restoring, pages it wrote.
+            criu_restore_time_seconds=round(restored.stats.get("Restore time", 0) / 1e6, 6),
+            criu_pages_restored=restored.stats.get("Pages restored", 0),
             seconds=round(time.time() - job_started, 6),
         )
         restore_log.unlink(missing_ok=True)

@@ -172,8 +172,25 @@ class JobExecutor:
         log.info("job %s: %s of %s queued (trigger %s)", job.id, kind.value, workload, trigger)
         return snapshot
 
+    def _acquire_slot(self, ctx: JobContext) -> bool:
+        """Wait for a free slot; False when the job is cancelled while it waits (queued)."""
+        with self._cond:
+            while True:
+                if ctx.cancel_requested.is_set():
+                    return False
+                if self._slots.acquire(blocking=False):
+                    return True
+                self._cond.wait(1.0)
+
     def _run(self, job: Job, ctx: JobContext, body: Body, exclusive: str | None) -> None:
-        with self._slots:
+        if not self._acquire_slot(ctx):
+            # Cancelled while queued: it ends now, not when some other job frees a slot.
+            self._finish(job, JobState.CANCELLED, Cancelled(f"job {job.id} was cancelled"))
+            with self._cond:
+                if exclusive is not None and self._exclusive.get(exclusive) == job.id:
+                    del self._exclusive[exclusive]
+            return
+        try:
             try:
                 ctx.check_cancelled()
 
@@ -197,6 +214,10 @@ class JobExecutor:
                 with self._cond:
                     if exclusive is not None and self._exclusive.get(exclusive) == job.id:
                         del self._exclusive[exclusive]
+        finally:
+            with self._cond:
+                self._slots.release()
+                self._cond.notify_all()  # a queued job waits for this slot
 
     def _finish(self, job: Job, state: JobState, err: BaseException | None) -> None:
         def apply(j: Job) -> None:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{args.config}: ok\n")
         return EXIT_OK
 
-    criu = Criu()
+    criu = Criu(log_level=config.daemon.criu_log_level)
     try:
         criu.check()
     except GpusnapError as err:

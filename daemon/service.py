@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -48,6 +49,8 @@ from gpusnap.storage.errors import (
 from gpusnap.storage.manifest import Manifest, check_checkpoint_id, check_workload
 
 log = logging.getLogger(__name__)
+
+_JOB_ID = re.compile(r"^\d{8}T\d{6}-[0-9a-f]{6}$")  # jobs.new_job_id()
 
 
 class TriggerManager(Protocol):
@@ -108,11 +111,13 @@ class DaemonService:
     ) -> None:
         self.config = config
         self.state_dir = config.daemon.state_dir
-        self.staging_root = self.state_dir / "staging"
+        self.staging_root = config.daemon.staging_dir or self.state_dir / "staging"
         self.logs_dir = self.state_dir / "logs"
         for d in (self.state_dir, self.staging_root, self.logs_dir):
             d.mkdir(parents=True, exist_ok=True)
+        # Images hold the workload's memory: only root may read them.
         os.chmod(self.state_dir, 0o700)
+        os.chmod(self.staging_root, 0o700)
         self.started_at = time.time()
         self.criu = criu or Criu()
         self.gpu = gpu or open_gpu(config.gpu)
@@ -316,8 +321,37 @@ class DaemonService:
         data["bytes_total"] = manifest.bytes_total
         return data
 
+    def last_checkpoints(self) -> tuple[dict[str, dict[str, Any]], str | None]:
+        """Each configured workload's latest committed checkpoint in the store: ``{name:
+        {last_checkpoint_id, last_checkpoint_at, last_checkpoint_age_seconds}}`` (None when it
+        has none), and the store's error when it could not be asked."""
+        names = [w.name for w in self.config.workloads]
+        empty: dict[str, Any] = {
+            "last_checkpoint_id": None,
+            "last_checkpoint_at": None,
+            "last_checkpoint_age_seconds": None,
+        }
+        out = {n: dict(empty) for n in names}
+        if not names:
+            return out, None
+        now = time.time()
+        try:
+            store = self.store.get()
+            for name in names:
+                summary = store.latest(name)
+                if summary is not None:
+                    out[name].update(
+                        last_checkpoint_id=summary.checkpoint_id,
+                        last_checkpoint_at=summary.created_at,
+                        last_checkpoint_age_seconds=round(max(0.0, now - summary.created_at), 3),
+                    )
+        except GpusnapError as err:
+            return out, str(err)
+        return out, None
+
     def list_workloads(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        last, store_error = self.last_checkpoints()
         for w in self.config.workloads:
             pid: int | None
             try:
@@ -348,6 +382,8 @@ class DaemonService:
                     ),
                     "model": f"{w.model.name}@{w.model.revision}" if w.model else None,
                     "active_job": active.id if active else None,
+                    **last[w.name],
+                    "store_error": store_error,
                 }
             )
         return out
@@ -363,6 +399,10 @@ class DaemonService:
             host: dict[str, Any] = self.host()
         except GpusnapError as err:
             host = {"error": str(err)}
+        gpu = self.gpu.capabilities()
+        last, list_error = self.last_checkpoints()
+        if store_ok and list_error is not None:
+            store_ok, store_error = False, list_error
         return {
             "version": gpusnap.__version__,
             "node_id": host.get("node_id"),
@@ -370,14 +410,29 @@ class DaemonService:
             "uptime_seconds": round(time.time() - self.started_at, 3),
             "socket": str(self.config.daemon.socket),
             "state_dir": str(self.state_dir),
+            "staging_dir": str(self.staging_root),
             "store": {"url": self.config.store.url, "reachable": store_ok, "error": store_error},
             "host": host,
-            "gpu": self.gpu.capabilities(),
+            "gpu": gpu,
+            "capabilities": {
+                "criu": self._criu_line(),
+                "gpu": str(
+                    gpu.get("message") or ("present" if gpu.get("driver_present") else "none")
+                ),
+                "store": "reachable" if store_ok else f"unreachable: {store_error}",
+            },
             "jobs_running": self.executor.running(),
-            "workloads": [w.name for w in self.config.workloads],
+            "workloads": [{"name": name, **info} for name, info in last.items()],
             "interrupted_at_start": [j.id for j in self.interrupted],
             "triggers": self.triggers is not None,
         }
+
+    def _criu_line(self) -> str:
+        try:
+            major, minor, patch = self.criu.version()
+            return f"criu {major}.{minor}.{patch} at {self.criu.path}"
+        except GpusnapError as err:
+            return f"unavailable: {err}"
 
     # --- issue 5 plug points -----------------------------------------------------------------
 
@@ -451,8 +506,11 @@ class DaemonService:
         return self.staging_root / job_id
 
     def _clean_staging(self) -> None:
-        """At start no job runs, so everything under staging/ is a leftover."""
+        """At start no job runs, so every job's directory under staging is a leftover. Only
+        entries named like a job id are touched: a configured ``staging_dir`` may be shared."""
         for entry in self.staging_root.iterdir():
+            if not _JOB_ID.match(entry.name):
+                continue
             log.info("removing leftover staging %s", entry)
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)

@@ -20,6 +20,7 @@ import os
 import time
 
 import numpy as np
+import numpy.typing as npt
 
 VOCAB = 256
 DIM = 96
@@ -27,13 +28,16 @@ HEADS = 4
 LAYERS = 2
 PROMPT = b"gpusnap keeps long-context sessions alive: "
 
+F32 = npt.NDArray[np.float32]
+
 
 class TinyLM:
     def __init__(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
 
-        def w(*shape: int) -> np.ndarray:
-            return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+        def w(*shape: int) -> F32:
+            weights: F32 = (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+            return weights
 
         self.embed = w(VOCAB, DIM)
         self.layers = [
@@ -50,11 +54,11 @@ class TinyLM:
         # The recurrent (state-space-like) layer: a gated update of a fixed-size state.
         self.gz, self.gr, self.gh = w(2 * DIM, DIM), w(2 * DIM, DIM), w(2 * DIM, DIM)
         self.unembed = w(DIM, VOCAB)
-        self.kv: list[tuple[list[np.ndarray], list[np.ndarray]]] = [([], []) for _ in range(LAYERS)]
+        self.kv: list[tuple[list[F32], list[F32]]] = [([], []) for _ in range(LAYERS)]
         self.state = np.zeros(DIM, dtype=np.float32)
         self.rng = np.random.default_rng(seed + 1)  # sampling; its state is part of the process
 
-    def step(self, token: int) -> np.ndarray:
+    def step(self, token: int) -> F32:
         x = self.embed[token].copy()
         for layer, (keys, values) in zip(self.layers, self.kv, strict=True):
             h = _norm(x)
@@ -73,20 +77,23 @@ class TinyLM:
         r = _sigmoid(xs @ self.gr)
         cand = np.tanh(np.concatenate([_norm(x), r * self.state]) @ self.gh)
         self.state = ((1 - z) * self.state + z * cand).astype(np.float32)
-        return (_norm(x + self.state) @ self.unembed).astype(np.float32)
+        logits: F32 = (_norm(x + self.state) @ self.unembed).astype(np.float32)
+        return logits
 
-    def sample(self, logits: np.ndarray, temperature: float = 0.8) -> int:
+    def sample(self, logits: F32, temperature: float = 0.8) -> int:
         p = np.exp((logits - logits.max()) / temperature)
         p /= p.sum()
         return int(self.rng.choice(VOCAB, p=p))
 
 
-def _norm(x: np.ndarray) -> np.ndarray:
-    return (x / np.sqrt(np.mean(x * x) + 1e-5)).astype(np.float32)
+def _norm(x: F32) -> F32:
+    out: F32 = (x / np.sqrt(np.mean(x * x) + 1e-5)).astype(np.float32)
+    return out
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+def _sigmoid(x: F32) -> F32:
+    out: F32 = (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+    return out
 
 
 class Out:

@@ -90,3 +90,17 @@ def test_a_file_that_is_not_toml_is_one_line(tmp_path: Path) -> None:
     cfg.write_text("[daemon\n")
     with pytest.raises(InvalidArgument, match="not valid TOML"):
         load_config(cfg)
+
+
+def test_staging_dir_and_criu_log_level_default_and_parse() -> None:
+    default = parse_config({})
+    assert default.daemon.staging_dir is None
+    assert default.daemon.criu_log_level == 4
+    cfg = parse_config({"daemon": {"staging_dir": "/dev/shm/gpusnap", "criu_log_level": 0}})
+    assert cfg.daemon.staging_dir == Path("/dev/shm/gpusnap")
+    assert cfg.daemon.criu_log_level == 0
+
+
+@pytest.mark.parametrize("level", [5, -1, "4"])
+def test_a_criu_log_level_outside_0_to_4_is_refused_naming_the_key(level: object) -> None:
+    assert "criu_log_level" in _error({"daemon": {"criu_log_level": level}})

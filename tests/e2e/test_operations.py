@@ -1,0 +1,393 @@
+"""What an operator sees and does around jobs, through the real daemon: status and workloads
+with the last good checkpoint, the Prometheus endpoint, the mutual-TLS listener, cancel."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import re
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from gpusnap.cli._client import DaemonClient
+from gpusnap.daemon import proctree
+from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
+from tests.support import workloads
+from tests.support.faultproxy import FaultProxy
+from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.workloads import Workload
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _until(what: str, ready: Callable[[], bool]) -> None:
+    end = time.monotonic() + HANG_GUARD
+    while not ready():
+        if time.monotonic() > end:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def _job(node: Node, job_id: str) -> dict[str, Any]:
+    got = node.cli("job", job_id, "--json")
+    assert got.rc == 0, got.stderr
+    job: dict[str, Any] = got.json
+    return job
+
+
+# --- status, workloads, metrics -----------------------------------------------------------------
+
+
+def test_status_workloads_and_metrics_show_the_last_good_checkpoint_and_its_age(
+    nodes: Nodes, tmp_path: Path, started: list[Workload]
+) -> None:
+    w = workloads.start_counter(tmp_path / "run", steps=0)
+    started.append(w)
+    pid_file = tmp_path / "svc.pid"
+    pid_file.write_text(f"{w.pid}\n")
+    port = _free_port()
+    node = nodes.make(
+        "a",
+        extra_config=(
+            f'[[workload]]\nname = "svc"\npid_file = "{pid_file}"\n\n'
+            f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
+        ),
+    ).start()
+
+    before = node.cli("status", "--json")
+    assert before.rc == 0, before.stderr
+    status = before.json
+    assert status["workloads"] == [
+        {
+            "name": "svc",
+            "last_checkpoint_id": None,
+            "last_checkpoint_at": None,
+            "last_checkpoint_age_seconds": None,
+        }
+    ]
+    caps = status["capabilities"]
+    assert re.match(r"criu 4\.\d+\.\d+ at /", caps["criu"]), caps
+    assert caps["store"] == "reachable"
+    assert "GPU support is off" in caps["gpu"]
+
+    w.wait_steps(3)
+    ck = node.cli("checkpoint", "--workload", "svc", "--leave-running", "--wait", "--json")
+    assert ck.rc == 0, ck.stderr + node.log()
+    checkpoint_id = ck.json["checkpoint_id"]
+
+    after = node.cli("status", "--json").json
+    (entry,) = after["workloads"]
+    assert entry["last_checkpoint_id"] == checkpoint_id
+    assert 0 <= entry["last_checkpoint_age_seconds"] < HANG_GUARD
+    listed = node.cli("workloads", "--json")
+    assert listed.rc == 0, listed.stderr
+    (wl,) = listed.json["workloads"]
+    assert wl["name"] == "svc" and wl["pid"] == w.pid and wl["running"] is True
+    assert wl["last_checkpoint_id"] == checkpoint_id
+    assert wl["last_checkpoint_age_seconds"] >= 0
+    text = node.cli("workloads")
+    assert text.rc == 0 and checkpoint_id in text.stdout, text.stdout
+    human = node.cli("status")
+    assert human.rc == 0 and "criu: criu 4." in human.stdout and checkpoint_id in human.stdout
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        assert response.status == 200
+        body = response.read().decode()
+    labels = 'kind="checkpoint",outcome="succeeded"'
+    assert f"gpusnap_jobs_total{{{labels}}} 1" in body
+    assert f"gpusnap_job_duration_seconds_count{{{labels}}} 1" in body
+    duration = re.search(rf"gpusnap_job_duration_seconds_sum{{{labels}}} (\S+)", body)
+    assert duration is not None and float(duration[1]) > 0
+    uploaded = re.search(r'gpusnap_bytes_uploaded_total\{kind="checkpoint"\} (\d+)', body)
+    assert uploaded is not None and int(uploaded[1]) == ck.json["bytes_uploaded"] > 0
+    total = re.search(r'gpusnap_bytes_total\{kind="checkpoint"\} (\d+)', body)
+    assert total is not None and int(total[1]) == ck.json["bytes_total"]
+    age = re.search(r'gpusnap_last_checkpoint_age_seconds\{workload="svc"\} (\S+)', body)
+    assert age is not None and 0 <= float(age[1]) < HANG_GUARD
+
+
+# --- the mutual-TLS listener ------------------------------------------------------------------
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+class _Ca:
+    """A throwaway certificate authority that signs leaf certificates for 127.0.0.1."""
+
+    def __init__(self, cn: str) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(cn))
+            .issuer_name(_name(cn))
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        self.pem = self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def leaf(self, cn: str, usage: x509.ObjectIdentifier) -> tuple[bytes, bytes]:
+        """(certificate PEM, private key PEM)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(cn))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def test_the_tcp_listener_takes_a_client_cert_of_the_client_ca_and_refuses_others(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    server_ca, client_ca, stranger_ca = _Ca("server CA"), _Ca("client CA"), _Ca("other CA")
+    server_cert, server_key = server_ca.leaf("gpusnapd", ExtendedKeyUsageOID.SERVER_AUTH)
+    client_cert, client_key = client_ca.leaf("operator", ExtendedKeyUsageOID.CLIENT_AUTH)
+    stranger_cert, stranger_key = stranger_ca.leaf("intruder", ExtendedKeyUsageOID.CLIENT_AUTH)
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    for name, data in {
+        "server.pem": server_cert,
+        "server.key": server_key,
+        "clients-ca.pem": client_ca.pem,
+    }.items():
+        (tls / name).write_bytes(data)
+    address = f"127.0.0.1:{_free_port()}"
+    node = nodes.make("a")
+    node.write_config()
+    text = node.config_path.read_text()
+    node.config_path.write_text(
+        text.replace(
+            "\n[store]\n",
+            f'\n[daemon.tcp]\nlisten = "{address}"\ncert_file = "{tls / "server.pem"}"\n'
+            f'key_file = "{tls / "server.key"}"\nclient_ca_file = "{tls / "clients-ca.pem"}"\n'
+            "\n[store]\n",
+            1,
+        )
+    )
+    node.start()
+
+    def client(cert: bytes | None, key: bytes | None) -> DaemonClient:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=server_ca.pem, private_key=key, certificate_chain=cert
+        )
+        return DaemonClient(address, credentials=creds, timeout=30)
+
+    status = client(client_cert, client_key).status()
+    assert status["node_id"] == "a"
+    assert node.proc is not None and status["pid"] == node.proc.pid
+
+    for cert, key in ((None, None), (stranger_cert, stranger_key)):
+        with pytest.raises(Exception) as refused:  # the handshake fails; which error varies
+            client(cert, key).status()
+        assert "node_id" not in str(refused.value)
+    with pytest.raises(Exception):
+        DaemonClient(address, timeout=30).status()  # plaintext to the TLS port
+
+
+# --- cancel -------------------------------------------------------------------------------------
+
+
+class _GateProxy(FaultProxy):
+    """Holds chunk requests (GET or PUT …/chunks/…) while the gate is shut, so a job can be
+    caught mid-transfer without guessing how long it takes."""
+
+    def __init__(self, upstream_url: str) -> None:
+        super().__init__(upstream_url)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = 0
+
+    def _decide(self, method: str, path: str) -> str:
+        if "/chunks/" in path and not self.gate.is_set():
+            with self._lock:
+                self.held += 1
+            self.gate.wait(HANG_GUARD)
+        return super()._decide(method, path)
+
+
+@contextlib.contextmanager
+def _s3_node(
+    nodes: Nodes, name: str, *, daemon_extra: str = "", extra_config: str = ""
+) -> Iterator[tuple[Node, _GateProxy]]:
+    with aws_test_credentials(), MotoServer() as moto:
+        moto.create_bucket("bucket")
+        proxy = _GateProxy(moto.endpoint_url)
+        proxy.start()
+        node = nodes.make(name, extra_config=extra_config)
+        try:
+            node.write_config(
+                store_section=(
+                    'url = "s3://bucket/gpusnap"\n'
+                    f'endpoint_url = "{proxy.endpoint_url}"\n'
+                    f'region = "{TEST_REGION}"\n'
+                    f'key_file = "{nodes.key_file}"\n'
+                )
+            )
+            text = node.config_path.read_text()
+            marker = f'node_id = "{name}"\n'
+            node.config_path.write_text(text.replace(marker, marker + daemon_extra, 1))
+            node.start()
+            yield node, proxy
+        finally:
+            proxy.gate.set()
+            node.stop()
+            proxy.stop()
+
+
+def test_cancel_of_a_queued_checkpoint_ends_it_at_once_and_never_touches_its_workload(
+    nodes: Nodes, tmp_path: Path, started: list[Workload]
+) -> None:
+    config = ""
+    for name in ("first", "second"):
+        w = workloads.start_counter(tmp_path / name, steps=0)
+        started.append(w)
+        (tmp_path / f"{name}.pid").write_text(f"{w.pid}\n")
+        config += f'[[workload]]\nname = "{name}"\npid_file = "{tmp_path / name}.pid"\n\n'
+    first, second = started
+    first.wait_steps(3)
+    second.wait_steps(3)
+    # One job at a time: the second checkpoint waits while the first is held mid-upload.
+    with _s3_node(nodes, "a", daemon_extra="max_jobs = 1\n", extra_config=config) as (
+        node,
+        proxy,
+    ):
+        proxy.gate.clear()
+        running = node.cli("checkpoint", "--workload", "first", "--leave-running", "--json")
+        assert running.rc == 0, running.stderr
+        running_id = running.json["id"]
+        _until("the first upload to reach the store", lambda: proxy.held > 0)
+        queued = node.cli("checkpoint", "--workload", "second", "--leave-running", "--json")
+        assert queued.rc == 0, queued.stderr
+        queued_id = queued.json["id"]
+        assert _job(node, queued_id)["state"] == "queued"
+
+        cancel = node.cli("cancel", queued_id, "--json")
+        assert cancel.rc == 0, cancel.stderr
+        _until("the queued job to end", lambda: _job(node, queued_id)["state"] != "queued")
+        assert _job(node, queued_id)["state"] == "cancelled"
+        assert _job(node, running_id)["state"] == "running"  # still held at the gate
+
+        proxy.gate.set()
+        _until("the first checkpoint to end", lambda: _job(node, running_id)["state"] != "running")
+        assert _job(node, running_id)["state"] == "succeeded"
+        listed = node.cli("ls", "--json").json["checkpoints"]
+        assert [c["workload"] for c in listed] == ["first"]
+        at = second.steps_done()
+        second.wait_steps(at + 3)  # never frozen, never dumped
+
+
+def test_cancel_of_a_running_restore_stops_it_before_any_process_is_restored(
+    nodes: Nodes, tmp_path: Path, started: list[Workload]
+) -> None:
+    w = workloads.start_counter(tmp_path / "run", steps=0)
+    started.append(w)
+    w.wait_steps(3)
+    with _s3_node(nodes, "a") as (node, proxy):
+        ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
+        assert ck.rc == 0, ck.stderr + node.log()
+        w.reap()  # kill mode: gone, its pid free for a restore
+        assert not proctree.exists(w.pid)
+
+        proxy.gate.clear()
+        restore = node.cli("restore", ck.json["checkpoint_id"], "--json")
+        assert restore.rc == 0, restore.stderr
+        job_id = restore.json["id"]
+        _until("the restore to fetch chunks", lambda: proxy.held > 0)
+        assert _job(node, job_id)["phase"] == "fetch"
+
+        cancel = node.cli("cancel", job_id, "--json")
+        assert cancel.rc == 0, cancel.stderr
+        proxy.gate.set()
+        _until("the restore to end", lambda: _job(node, job_id)["state"] not in ("running",))
+        job = _job(node, job_id)
+        assert job["state"] == "cancelled", job
+        assert not proctree.exists(w.pid)  # nothing was restored
+        assert not list((node.state_dir / "staging").iterdir())  # and nothing left behind
+        again = node.cli("cancel", job_id)
+        assert again.rc != 0 and "already cancelled" in again.stderr
+
+
+# --- staging ------------------------------------------------------------------------------------
+
+
+def test_a_configured_staging_dir_is_used_and_only_job_leftovers_are_cleaned_there(
+    nodes: Nodes, tmp_path: Path, started: list[Workload]
+) -> None:
+    staging = tmp_path / "fast" / "staging"
+    leftover = staging / "20260101T000000-abcdef"  # named like a job: a crashed job's images
+    (leftover / "images").mkdir(parents=True)
+    foreign = staging / "not-a-job"
+    foreign.mkdir()
+    node = nodes.make("a")
+    node.write_config()
+    text = node.config_path.read_text()
+    node.config_path.write_text(
+        text.replace('node_id = "a"\n', f'node_id = "a"\nstaging_dir = "{staging}"\n', 1)
+    )
+    node.start()
+    assert not leftover.exists()
+    assert foreign.is_dir()
+    assert node.cli("status", "--json").json["staging_dir"] == str(staging)
+    assert not (node.state_dir / "staging").exists()
+
+    w = workloads.start_counter(tmp_path / "run", steps=0)
+    started.append(w)
+    w.wait_steps(3)
+    ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
+    assert ck.rc == 0, ck.stderr + node.log()
+    w.reap()
+    rs = node.cli("restore", ck.json["checkpoint_id"], "--wait", "--json")
+    assert rs.rc == 0, rs.stderr + node.log()
+    try:
+        assert rs.json["mode"] == "restored"
+        assert rs.json["criu_pages_restored"] > 0
+        assert [p.name for p in staging.iterdir()] == ["not-a-job"]
+        at = w.steps_done()
+        w.wait_steps(at + 3)
+    finally:
+        restored_cleanup(rs.json["pids"])
