@@ -18,7 +18,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
-import grpc
+# gRPC's C core logs to stderr on its own (e.g. "E1130 ... parse_address.cc:69] ..."), which
+# would break the CLI's promise of one line per error. It reads these at import, so they are
+# set before ``import grpc``; GPUSNAP_DEBUG=1 leaves them to the caller.
+if os.environ.get("GPUSNAP_DEBUG", "") in ("", "0"):
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+    os.environ.pop("GRPC_TRACE", None)
+
+import grpc  # after the logging switch above
 from google.protobuf import json_format, struct_pb2
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -36,6 +43,8 @@ from gpusnap.storage.errors import (
 )
 
 DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
+# sun_path holds 108 bytes with its NUL; gRPC cannot even form a channel to a longer path.
+MAX_SOCKET_PATH_BYTES = 107
 SOCKET_ENV = "GPUSNAP_SOCKET"
 # Generous for unary calls (they only queue work or read state); Watch has no deadline.
 DEFAULT_TIMEOUT_S = 60.0
@@ -185,6 +194,15 @@ class DaemonClient:
 
     @classmethod
     def for_socket(cls, path: Path, *, timeout: float = DEFAULT_TIMEOUT_S) -> DaemonClient:
+        """A client for the daemon at the unix socket ``path``; ``InvalidArgument`` (exit 2)
+        for a path no unix socket can have."""
+        length = len(os.fsencode(str(path)))
+        if length > MAX_SOCKET_PATH_BYTES:
+            raise InvalidArgument(
+                f"socket path too long ({length} > {MAX_SOCKET_PATH_BYTES} bytes): {path}"
+            )
+        if "\0" in str(path):
+            raise InvalidArgument(f"socket path contains a NUL byte: {path!r}")
         return cls(f"unix:{path}", timeout=timeout, socket_file=path)
 
     def close(self) -> None:

@@ -31,6 +31,8 @@ from gpusnap.storage.errors import (
 
 Command = Callable[[argparse.Namespace], int]
 
+PID_MAX_LIMIT = 1 << 22  # the kernel's hard ceiling for pid_max on 64-bit
+
 # Keys ``--wait --json`` always prints (null when the daemon did not report one).
 CHECKPOINT_WAIT_KEYS = (
     "checkpoint_id",
@@ -56,7 +58,7 @@ def register(subparsers: Subparsers) -> None:
         "checkpoint", parents=common, help="checkpoint a process tree or a configured workload"
     )
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--pid", type=int, metavar="PID", help="root of the process tree")
+    target.add_argument("--pid", type=pid_arg, metavar="PID", help="root of the process tree")
     target.add_argument("--workload", metavar="NAME", help="a workload from the daemon's config")
     p.add_argument(
         "--leave-running", action="store_true", help="keep the workload running after the dump"
@@ -103,6 +105,19 @@ def register(subparsers: Subparsers) -> None:
 
     p = subparsers.add_parser("status", parents=common, help="the daemon's status")
     p.set_defaults(func=cmd_status)
+
+
+def pid_arg(text: str) -> int:
+    """A process id, for argparse: 1 to PID_MAX_LIMIT (2^22, the kernel's ceiling)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
+    if not 0 < value <= PID_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"not a process id: {text!r} (pids are 1 to {PID_MAX_LIMIT})"
+        )
+    return value
 
 
 # --- formatting ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -21,8 +22,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusnap.daemon.triggers.policy import POLICY_KEYS, parse_workload_policy
-from gpusnap.storage.backend import BackendOptions
-from gpusnap.storage.errors import InvalidArgument
+from gpusnap.storage.backend import BackendOptions, registered_schemes
+from gpusnap.storage.errors import GpusnapError, InvalidArgument
+from gpusnap.storage.keys import load_encryption_key, load_signing_key
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpusnap/gpusnapd.toml")
 DEFAULT_SOCKET = "/run/gpusnap/gpusnapd.sock"
@@ -32,6 +34,8 @@ DEFAULT_STORE_URL = "file:///var/lib/gpusnap/store"
 _T = TypeVar("_T")
 
 _POLICY_KEYS = tuple(sorted(POLICY_KEYS))
+# sun_path is 108 bytes with its terminating NUL: a longer socket path cannot be bound.
+MAX_SOCKET_PATH_BYTES = 107
 _WORKLOAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -138,7 +142,10 @@ class Config:
 
 
 def load_config(path: Path | str = DEFAULT_CONFIG_PATH) -> Config:
-    """Read and check ``path``. Any problem is ``InvalidArgument`` with a one-line message."""
+    """Read and check ``path``, and the key files it names (they must exist and load).
+
+    Any problem is ``InvalidArgument`` with a one-line message naming the key.
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -150,7 +157,26 @@ def load_config(path: Path | str = DEFAULT_CONFIG_PATH) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InvalidArgument(f"config: {p}: not valid TOML: {exc}") from exc
-    return parse_config(data, path=p)
+    config = parse_config(data, path=p)
+    check_key_files(config.store)
+    return config
+
+
+def check_key_files(store: StoreSection) -> None:
+    """Load the store's key files as the store will: a config whose keys cannot be read, or are
+    not keys of the right kind and size, could never checkpoint or restore, so it is refused
+    at load time (``InvalidArgument`` naming the key) rather than failing every job later."""
+    checks = (
+        ("key_file", store.key_file, load_signing_key),
+        ("encryption_key_file", store.encryption_key_file, load_encryption_key),
+    )
+    for key, path, loader in checks:
+        if path is None:
+            continue
+        try:
+            loader(path)
+        except GpusnapError as err:
+            raise InvalidArgument(f"config: [store] {key}: {err}") from err
 
 
 def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config:
@@ -167,6 +193,7 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
         top.raw_table("migration"), "gpusnap.daemon.migration", "parse_migration_config"
     )
     top.done()
+    _check_store_keys(store)
     return Config(
         path=path,
         daemon=daemon,
@@ -207,14 +234,18 @@ def _parse_daemon(t: _Table) -> DaemonSection:
     )
     if section.criu_log_level > 4:
         raise t._bad("criu_log_level", "must be 0 to 4 (criu -v0 .. -v4)")
+    length = len(os.fsencode(str(section.socket)))
+    if length > MAX_SOCKET_PATH_BYTES:
+        raise t._bad(
+            "socket", f"path too long for a unix socket ({length} > {MAX_SOCKET_PATH_BYTES} bytes)"
+        )
     t.done()
     return section
 
 
 def _parse_store(t: _Table) -> StoreSection:
     url = t.string("url") or DEFAULT_STORE_URL
-    if "://" not in url:
-        raise InvalidArgument(f"config: [store] url: {url!r} is not a URL (file:///… or s3://…)")
+    _check_store_url(url)
     o = BackendOptions()
     addressing = t.choice("addressing_style", ("path", "virtual", "auto"))
     options = BackendOptions(
@@ -246,6 +277,38 @@ def _parse_store(t: _Table) -> StoreSection:
     )
     t.done()
     return section
+
+
+def _check_store_keys(store: StoreSection) -> None:
+    # After the whole file parsed: a misspelt key is reported as that, not as a missing one.
+    if store.key_file is None and store.verify:
+        raise InvalidArgument(
+            "config: [store] missing key 'key_file': manifests can be neither signed nor "
+            "authenticated without it (make one with `gpusnap store keygen`; only "
+            "`verify = false` runs without, and then this node will not restore)"
+        )
+
+
+def _check_store_url(url: str) -> None:
+    """What can be told of a store URL without reaching the store: a registered scheme, and
+    for ``file://`` an absolute local path. Reaching it is left to the start (a warning)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme:
+        raise InvalidArgument(f"config: [store] url: {url!r} is not a URL (file:///… or s3://…)")
+    known = registered_schemes()
+    if scheme.lower() not in known:
+        raise InvalidArgument(
+            f"config: [store] url: unknown scheme {scheme!r} in {url!r}; supported: "
+            f"{', '.join(f'{k}://' for k in known)}"
+        )
+    if scheme.lower() == "file":
+        host, _, path = rest.partition("/")
+        if host not in ("", "localhost") or not path:
+            raise InvalidArgument(
+                f"config: [store] url: {url!r} must name an absolute local path (file:///path)"
+            )
+    elif scheme.lower() == "s3" and not rest.split("/", 1)[0]:
+        raise InvalidArgument(f"config: [store] url: {url!r} names no bucket (s3://bucket/prefix)")
 
 
 def _parse_workloads(tables: list[_Table]) -> tuple[WorkloadConfig, ...]:

@@ -208,8 +208,33 @@ def _rescue(
     store: CheckpointStore,
 ) -> str:
     """A kill-mode dump whose upload failed: bring the workload back from the local images,
-    and its CUDA processes back onto their GPUs (CRIU alone leaves them CHECKPOINTED)."""
-    kept = svc.state_dir / "kept" / ctx.job_id
+    and its CUDA processes back onto their GPUs (CRIU alone leaves them CHECKPOINTED).
+
+    Returns what happened, in words, and never raises: its caller is already reporting the
+    upload's failure, and the rescue's own failure must be said in that one line, with what
+    (if anything) was lost."""
+    try:
+        return _rescue_or_raise(svc, ctx, images, freeze=freeze, gpu_stamp=gpu_stamp, store=store)
+    except Exception as exc:  # the one line must say it, never a traceback
+        log.exception("rescue of job %s failed", ctx.job_id)
+        return f"rescuing the workload failed ({type(exc).__name__}: {exc}); see the daemon log"
+
+
+def _rescue_or_raise(
+    svc: DaemonService,
+    ctx: JobContext,
+    images: Path,
+    *,
+    freeze: Any,
+    gpu_stamp: dict[str, Any],
+    store: CheckpointStore,
+) -> str:
+    if not images.is_dir():
+        log.error("job %s: the local images %s are gone; the workload is lost", ctx.job_id, images)
+        return (
+            f"the workload cannot be restored locally either: its images {images} are gone "
+            "(removed by something outside this job); the workload is lost"
+        )
     sibling = not systemd_running()
     try:
         restored = svc.criu.restore(
@@ -220,9 +245,8 @@ def _rescue(
             sibling=sibling,
         )
     except GpusnapError as err:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(images), str(kept))
-        return f"restoring the workload locally failed too ({err}); its images are kept in {kept}"
+        kept = _keep_images(svc, ctx, images)
+        return f"restoring the workload locally failed too ({err}); {kept}"
     if sibling:
         svc.adopt(restored.pid)
     done = f"the workload was restored on this node from the local dump (pid {restored.pid})"
@@ -239,6 +263,31 @@ def _rescue(
         log.warning("GPU restore after the local rescue of job %s failed: %s", ctx.job_id, err)
         return f"{done}, but its GPU state was not restored ({err})"
     return f"{done} with its GPU state"
+
+
+def _keep_images(svc: DaemonService, ctx: JobContext, images: Path) -> str:
+    """Move the images out of staging (which is removed when the job ends); say where."""
+    kept = svc.state_dir / "kept" / ctx.job_id
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(images), str(kept))
+    except OSError as exc:
+        log.exception("job %s: cannot keep the images %s in %s", ctx.job_id, images, kept)
+        if not images.is_dir():
+            return f"its images {images} are gone ({exc.strerror or exc}); the workload is lost"
+        # The job's staging is removed when it ends, and any job-named entry at the next
+        # start: a rename within staging (same file system) keeps them out of both.
+        beside = svc.staging_root / f"kept-{ctx.job_id}"
+        try:
+            os.rename(images, beside)
+        except OSError:
+            log.exception("job %s: cannot keep the images in %s either", ctx.job_id, beside)
+            return (
+                f"its images could not be kept ({exc.strerror or exc}) and go with the job's "
+                "staging; the workload is lost"
+            )
+        return f"its images are kept in {beside} ({kept} failed: {exc.strerror or exc})"
+    return f"its images are kept in {kept}"
 
 
 def _watched_files(pids: list[int]) -> list[tuple[str, str]]:
@@ -297,6 +346,8 @@ def _fd_flags(pid: int, fd: str) -> int:
 
 def run_restore(svc: DaemonService, ctx: JobContext, req: RestoreRequest) -> None:
     job_started = ctx.created_at
+    # Refused at submission too; checked again here, where the manifest is acted on.
+    svc.require_verified("restore")
     store = svc.store.get()
     ctx.phase(Phase.COMPAT)
     checkpoint_id = req.checkpoint_id

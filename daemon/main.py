@@ -1,11 +1,13 @@
 """``gpusnapd --config FILE``: the node daemon, in the foreground (systemd runs exactly this).
 
-Start order: config (an error is one line and exit 2) -> CRIU check (missing or too old: one
-actionable line, exit 1) -> state dir, journal recovery, store (unreachable: a warning; jobs
-fail with Unavailable until it is back) -> trigger manager (issue 5, when present) -> the gRPC
-socket -> ``READY=1`` and the watchdog. SIGTERM/SIGINT: ``STOPPING=1``, the shutdown hooks
-(a reclaim checkpoint may run there), running jobs get time to finish while systemd is asked
-for more (``EXTEND_TIMEOUT_USEC``), then exit 0.
+Start order: config (an error is one line and exit 2; key files must load) -> the state
+dir's lock (another daemon holds it: one line, exit 1, nothing touched) -> CRIU check (missing
+or too old: one actionable line, exit 1) -> journal recovery, staging cleanup, store
+(unreachable: a warning; jobs fail with Unavailable until it is back) -> trigger manager
+(issue 5, when present) -> the gRPC socket -> ``READY=1`` and the watchdog.
+SIGTERM/SIGINT: ``STOPPING=1``, the shutdown hooks (a reclaim checkpoint may run there),
+running jobs get time to finish while systemd is asked for more (``EXTEND_TIMEOUT_USEC``),
+then exit 0.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from gpusnap.daemon.criu import Criu, systemd_running
 from gpusnap.daemon.grpc_server import TcpListenerConfig, start_server, stop_server
 from gpusnap.daemon.metrics import start_metrics_server
 from gpusnap.daemon.service import DaemonService
-from gpusnap.storage.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, GpusnapError, InvalidArgument
+from gpusnap.daemon.statedir import StateDirLock
+from gpusnap.storage.errors import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    GpusnapError,
+    InvalidArgument,
+    exit_code_for,
+)
 
 log = logging.getLogger("gpusnap.daemon")
 
@@ -111,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{args.config}: ok\n")
         return EXIT_OK
 
+    # Before anything else touches the state dir: a second daemon on it stops here, having
+    # changed nothing (its recovery would delete the running daemon's staging images).
+    try:
+        state_lock = StateDirLock.acquire(config.daemon.state_dir, config.daemon.staging_dir)
+    except GpusnapError as err:
+        return _fail(f"cannot start: {err}", exit_code_for(err))
+
     criu = Criu(log_level=config.daemon.criu_log_level)
     try:
         criu.check()
@@ -118,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"CRIU is required: {err}", EXIT_FAILURE)
 
     try:
-        service = DaemonService(config, criu=criu)
-    except (GpusnapError, OSError) as err:
-        return _fail(f"cannot start: {err}", EXIT_FAILURE)
+        service = DaemonService(config, criu=criu, state_lock=state_lock)
+    except GpusnapError as err:
+        return _fail(f"cannot start: {err}", exit_code_for(err))
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        return _fail(f"cannot start: {where}{err.strerror or err}", EXIT_FAILURE)
 
     if not systemd_running():
         # Where PID 1 is not systemd it may reap nothing: adopt the orphans of restored trees

@@ -11,10 +11,18 @@ signing key (``CheckpointStore.sign``), so a node acts only on requests a truste
 
 A claim is a conditional create: ``If-None-Match: *`` on S3, ``link(2)`` onto a new name on
 ``file://``. Either way exactly one writer of ``claim-NNNN`` succeeds; the others get
-``AlreadyExists`` and stand down. A claim with no outcome after ``claim_timeout_s`` is stale
-(its node died mid-restore); the request is then pending again and the next claim uses the
-next attempt number — this is the only way two nodes can both act on one checkpoint, and it
-needs the first to have gone silent for the whole timeout.
+``AlreadyExists`` and stand down.
+
+Only records that open with the store's key, are well formed and name the checkpoint of their
+folder count; anything else under ``migrations/`` (a planted ``claim-9999``, a garbage
+``outcome``) is ignored and logged, so whoever can write to the store but lacks the key cannot
+stall a migration: a new claim takes the attempt number after every ``claim-N`` name present,
+valid or not, and an outcome whose name is taken by garbage replaces it.
+
+A claim with no outcome after ``claim_timeout_s`` is stale (its node died mid-restore); the
+request is then pending again and the next claim uses the next attempt number — this is the
+only way two nodes can both act on one checkpoint, and it needs the first to have gone silent
+for the whole timeout.
 
 ``StandbyLoop`` runs on standby nodes: a node whose stamp matches claims at once and
 restores; a node that does not match waits until the request is ``cold_start_after_s`` old,
@@ -25,12 +33,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from gpusnap.daemon.model import CompatVerdict, Job, JobState
@@ -38,6 +47,7 @@ from gpusnap.storage.backend import Backend
 from gpusnap.storage.errors import (
     AlreadyExists,
     Corrupt,
+    FailedPrecondition,
     GpusnapError,
     InvalidArgument,
     NotFound,
@@ -162,6 +172,65 @@ def _claim_key(checkpoint_id: str, attempt: int) -> str:
     return f"{PREFIX}{checkpoint_id}/claim-{attempt:04d}"
 
 
+# At most 18 digits: an attempt number always fits, and a planted name cannot make one huge.
+_CLAIM_NAME = re.compile(r"claim-([0-9]{1,18})")
+_NUMBER = (int, float)
+
+# The type of every field of each record, as ``_check_record`` checks them.
+_REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "checkpoint_id": (str,),
+    "workload": (str,),
+    "source_node": (str,),
+    "created_at": _NUMBER,
+    "deadline": (*_NUMBER, type(None)),
+    "stamp_summary": (dict,),
+}
+_CLAIM_FIELDS: dict[str, tuple[type, ...]] = {
+    "checkpoint_id": (str,),
+    "node_id": (str,),
+    "mode": (str,),
+    "attempt": (int,),
+    "claimed_at": _NUMBER,
+    "reason": (str,),
+    "nonce": (str,),
+}
+_OUTCOME_FIELDS: dict[str, tuple[type, ...]] = {
+    "checkpoint_id": (str,),
+    "node_id": (str,),
+    "state": (str,),
+    "mode": (str,),
+    "attempt": (int,),
+    "finished_at": _NUMBER,
+    "detail": (str,),
+    "job_id": (str,),
+}
+_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "request": _REQUEST_FIELDS,
+    "claim": _CLAIM_FIELDS,
+    "outcome": _OUTCOME_FIELDS,
+}
+
+
+def _check_record(key: str, kind: str, doc: dict[str, Any], folder: str, cls: type[Any]) -> None:
+    """``Corrupt`` unless ``doc`` has the fields of a ``kind`` record (those of ``cls`` without
+    a default at least), each of its type, and names the checkpoint of its ``folder``."""
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    for name, types in _FIELDS[kind].items():
+        if name not in doc:
+            if name in required:
+                raise Corrupt(f"migration record {key} lacks {name!r}")
+            continue
+        value = doc[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise Corrupt(f"migration record {key}: {name!r} is not a {types[0].__name__}")
+    if doc["checkpoint_id"] != folder:
+        raise Corrupt(f"migration record {key} names checkpoint {doc['checkpoint_id']!r}")
+    if kind == "claim" and doc["mode"] not in ("restore", "cold-start"):
+        raise Corrupt(f"migration record {key}: unknown mode {doc['mode']!r}")
+    if kind == "outcome" and doc["state"] not in ("succeeded", "failed"):
+        raise Corrupt(f"migration record {key}: unknown state {doc['state']!r}")
+
+
 class MigrationBoard:
     """Migration requests, claims and outcomes in the store."""
 
@@ -198,7 +267,11 @@ class MigrationBoard:
         return doc
 
     def _read_as(self, key: str, kind: str, cls: type[Any]) -> Any:
+        """The record at ``key``, opened, checked and of the checkpoint of its folder;
+        ``Corrupt`` (or ``NotFound``) otherwise."""
         doc = self._read(key, kind)
+        folder = key[len(PREFIX) :].partition("/")[0]
+        _check_record(key, kind, doc, folder, cls)
         try:
             return cls(**doc)
         except TypeError as exc:
@@ -229,9 +302,15 @@ class MigrationBoard:
         try:
             self._write(key, "request", req)
         except AlreadyExists:
-            log.info("migration request for %s already published", checkpoint_id)
-            existing: MigrationRequest = self._read_as(key, "request", MigrationRequest)
-            return existing
+            try:
+                existing: MigrationRequest = self._read_as(key, "request", MigrationRequest)
+            except Corrupt as exc:
+                log.warning("replacing migration record %s, which does not hold: %s", key, exc)
+                self.backend.delete(key)
+                self._write(key, "request", req)
+            else:
+                log.info("migration request for %s already published", checkpoint_id)
+                return existing
         log.warning("published migration request for %s (%s)", checkpoint_id, workload)
         return req
 
@@ -245,22 +324,39 @@ class MigrationBoard:
         return folders
 
     def _status(self, cid: str, names: set[str]) -> MigrationStatus:
+        """The migration of ``cid`` as its valid records tell it. ``Corrupt``/``NotFound`` when
+        the request itself does not hold; invalid claims and outcomes are ignored (logged)."""
         req: MigrationRequest = self._read_as(f"{PREFIX}{cid}/request", "request", MigrationRequest)
-        if req.checkpoint_id != cid:
-            raise Corrupt(f"migration request under {cid} names {req.checkpoint_id}")
-        claims = sorted(n for n in names if n.startswith("claim-"))
         claim: MigrationClaim | None = None
-        if claims:
-            claim = self._read_as(f"{PREFIX}{cid}/{claims[-1]}", "claim", MigrationClaim)
+        for attempt in sorted(_claim_numbers(names), reverse=True):
+            key = _claim_key(cid, attempt)
+            found = self._valid(key, "claim", MigrationClaim)
+            if found is not None and found.attempt != attempt:
+                log.warning("ignoring migration record %s: it says attempt %d", key, found.attempt)
+                found = None
+            if found is not None:
+                claim = found
+                break
         outcome: MigrationOutcome | None = None
         if "outcome" in names:
-            outcome = self._read_as(f"{PREFIX}{cid}/outcome", "outcome", MigrationOutcome)
+            outcome = self._valid(f"{PREFIX}{cid}/outcome", "outcome", MigrationOutcome)
         stale = (
             outcome is None
             and claim is not None
             and self._clock() - claim.claimed_at > self.claim_timeout_s
         )
         return MigrationStatus(req, claim, outcome, stale)
+
+    def _valid(self, key: str, kind: str, cls: type[Any]) -> Any:
+        """The record at ``key`` if it holds, else ``None`` (logged: someone without the key
+        wrote it, or it is damaged; either way it does not count)."""
+        try:
+            return self._read_as(key, kind, cls)
+        except NotFound:
+            return None
+        except (Corrupt, FailedPrecondition) as exc:
+            log.warning("ignoring migration record %s: %s", key, exc)
+            return None
 
     def get(self, checkpoint_id: str) -> MigrationStatus:
         check_checkpoint_id(checkpoint_id)
@@ -270,40 +366,34 @@ class MigrationBoard:
         return self._status(checkpoint_id, names)
 
     def statuses(self) -> list[MigrationStatus]:
-        """Every migration whose records open; a record that fails its check is skipped."""
+        """Every migration whose request holds; one that fails its check is skipped."""
         out: list[MigrationStatus] = []
         for cid, names in sorted(self._folders().items()):
             if "request" not in names:
                 continue
             try:
+                check_checkpoint_id(cid)
                 out.append(self._status(cid, names))
-            except (Corrupt, NotFound) as exc:
+            except (Corrupt, NotFound, InvalidArgument, FailedPrecondition) as exc:
                 log.warning("skipping migration %s: %s", cid, exc)
         return out
 
     def pending(self) -> list[MigrationRequest]:
-        """Requests nobody has (live) claimed and that have no outcome, oldest first."""
-        out: list[MigrationRequest] = []
-        for cid, names in sorted(self._folders().items()):
-            if "request" not in names or "outcome" in names:
-                continue
-            try:
-                st = self._status(cid, names)
-            except (Corrupt, NotFound) as exc:
-                log.warning("skipping migration %s: %s", cid, exc)
-                continue
-            if st.status == "pending":
-                out.append(st.request)
+        """Requests nobody has (live) claimed and that have no valid outcome, oldest first."""
+        out = [st.request for st in self.statuses() if st.status == "pending"]
         return sorted(out, key=lambda r: r.created_at)
 
     def claim(
         self, checkpoint_id: str, node_id: str, mode: ClaimMode, *, reason: str = ""
     ) -> MigrationClaim | None:
         """Claim a pending request; ``None`` when another node holds it or won the race."""
+        names = self._folders().get(checkpoint_id, set())
         st = self.get(checkpoint_id)
         if st.status != "pending":
             return None
-        attempt = 0 if st.claim is None else st.claim.attempt + 1
+        # After every claim name present, valid or not: a planted claim-N cannot block us.
+        taken = _claim_numbers(names)
+        attempt = max(taken) + 1 if taken else 0
         claim = MigrationClaim(
             checkpoint_id,
             node_id,
@@ -350,8 +440,28 @@ class MigrationBoard:
             " ".join(detail.split()),
             job_id,
         )
-        self._write(f"{PREFIX}{claim.checkpoint_id}/outcome", "outcome", outcome)
+        key = f"{PREFIX}{claim.checkpoint_id}/outcome"
+        try:
+            self._write(key, "outcome", outcome)
+        except AlreadyExists:
+            try:
+                held: MigrationOutcome = self._read_as(key, "outcome", MigrationOutcome)
+            except Corrupt as exc:
+                # Not a record of ours: it counts for nothing, and must not keep ours out
+                # (the claim would go stale and the workload be restored twice).
+                log.warning("replacing migration record %s, which does not hold: %s", key, exc)
+                self.backend.delete(key)
+                self._write(key, "outcome", outcome)
+                return outcome
+            if held.node_id == claim.node_id and held.attempt == claim.attempt:
+                return held  # a retried put whose first try landed
+            raise
         return outcome
+
+
+def _claim_numbers(names: set[str]) -> list[int]:
+    """The attempt numbers of the ``claim-N`` names in a folder (valid records or not)."""
+    return [int(m.group(1)) for n in names if (m := _CLAIM_NAME.fullmatch(n))]
 
 
 # --- standby ----------------------------------------------------------------------------------

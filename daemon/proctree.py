@@ -23,6 +23,9 @@ from gpusnap.storage.errors import FailedPrecondition, InvalidArgument, NotFound
 log = logging.getLogger(__name__)
 
 PROC = Path("/proc")
+# The kernel's hard ceiling for pid_max on 64-bit (PID_MAX_LIMIT, 4 Mi): no pid is larger.
+PID_MAX_LIMIT = 1 << 22
+_PF_KTHREAD = 0x00200000  # task flag of kernel threads (/proc/PID/stat field 9)
 # Serving packages whose imported versions go into the stamp.
 PROBED_PACKAGES = ("torch", "transformers", "vllm", "sglang", "numpy")
 
@@ -59,6 +62,22 @@ def exists(pid: int) -> bool:
         return _stat_fields(pid)[0] not in ("Z", "X")
     except NotFound:
         return False
+
+
+def is_kernel_thread(pid: int) -> bool:
+    """True for a kernel thread (kthreadd and its children): nothing there to checkpoint."""
+    try:
+        return bool(int(_stat_fields(pid)[6]) & _PF_KTHREAD)
+    except (NotFound, FailedPrecondition, IndexError, ValueError):
+        return False
+
+
+def comm(pid: int) -> str:
+    """The process's command name, or ``?`` when it cannot be read."""
+    try:
+        return (PROC / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def children(pid: int) -> list[int]:
@@ -115,9 +134,13 @@ def process_info(pid: int) -> ProcessInfo:
             mapped_files=mapped_files(pid),
         )
     except (FileNotFoundError, ProcessLookupError):
+        if exists(pid) and is_kernel_thread(pid):
+            raise InvalidArgument(
+                f"pid {pid} ({comm(pid)}) is a kernel thread: it cannot be checkpointed"
+            ) from None
         raise NotFound(f"no such process: {pid}") from None
     except PermissionError as exc:
-        raise FailedPrecondition(f"cannot read /proc/{pid}: {exc.strerror}: run as root") from exc
+        raise _denied(base, exc) from exc
     return info
 
 
@@ -421,14 +444,27 @@ def _read(path: Path) -> bytes:
     except (FileNotFoundError, ProcessLookupError):
         raise NotFound(f"no such process: {path.parts[2]}") from None
     except PermissionError as exc:
-        raise FailedPrecondition(f"cannot read {path}: {exc.strerror}: run as root") from exc
+        raise _denied(path, exc) from exc
 
 
 def _readlink(path: Path) -> str:
     try:
         return os.readlink(path)
     except PermissionError as exc:
-        raise FailedPrecondition(f"cannot read {path}: {exc.strerror}: run as root") from exc
+        raise _denied(path, exc) from exc
+
+
+def _denied(path: Path, exc: OSError) -> FailedPrecondition:
+    """Permission denied on /proc: the advice depends on who we are."""
+    if os.geteuid() != 0:
+        return FailedPrecondition(
+            f"cannot read {path}: {exc.strerror}; gpusnapd must run as root to checkpoint"
+        )
+    return FailedPrecondition(
+        f"cannot read {path}: {exc.strerror} even to root: the process is shielded from "
+        "gpusnapd (another user namespace or container, a security module, or ptrace "
+        "restrictions); run gpusnapd where it can trace the process"
+    )
 
 
 def _status(pid: int) -> dict[str, str]:

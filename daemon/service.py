@@ -38,6 +38,7 @@ from gpusnap.daemon.journal import Journal
 from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.model import CompatVerdict, Job, JobKind
 from gpusnap.daemon.stamp import NodeFacts, check_compat, gpusnap_stamp, host_stamp
+from gpusnap.daemon.statedir import StateDirLock, prepare_dir
 from gpusnap.storage import CheckpointStore, open_store
 from gpusnap.storage.errors import (
     FailedPrecondition,
@@ -108,16 +109,27 @@ class DaemonService:
         criu: Criu | None = None,
         gpu: GpuAdapter | None = None,
         open_store_now: bool = True,
+        state_lock: StateDirLock | None = None,
     ) -> None:
         self.config = config
         self.state_dir = config.daemon.state_dir
         self.staging_root = config.daemon.staging_dir or self.state_dir / "staging"
         self.logs_dir = self.state_dir / "logs"
-        for d in (self.state_dir, self.staging_root, self.logs_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        # Images hold the workload's memory: only root may read them.
-        os.chmod(self.state_dir, 0o700)
-        os.chmod(self.staging_root, 0o700)
+        # First of all, before the journal's recovery or the staging cleanup can touch
+        # anything: this state dir is ours alone, or we stop here (see daemon/statedir.py).
+        self.state_lock = state_lock or StateDirLock.acquire(
+            self.state_dir, config.daemon.staging_dir
+        )
+        # Images hold the workload's memory: only root may read them (mode 0700).
+        prepare_dir(self.state_dir, "state_dir")
+        prepare_dir(self.staging_root, "staging_dir" if config.daemon.staging_dir else "state_dir")
+        prepare_dir(self.logs_dir, "state_dir", mode=0o755)
+        if not config.store.verify:
+            log.warning(
+                "[store] verify = false: manifest signatures are NOT checked. This daemon will "
+                "checkpoint, but it refuses to restore, cold-start or adopt a migration from "
+                "this store, since anyone who can write to it could make it run their code"
+            )
         self.started_at = time.time()
         self.criu = criu or Criu()
         self.gpu = gpu or open_gpu(config.gpu)
@@ -186,12 +198,13 @@ class DaemonService:
             name = wcfg.name
         else:
             assert pid is not None
-            if pid <= 0:
-                raise InvalidArgument(f"not a pid: {pid}")
+            if not 0 < pid <= proctree.PID_MAX_LIMIT:
+                raise InvalidArgument(f"not a process id: {pid} (1 to {proctree.PID_MAX_LIMIT})")
             if pid == os.getpid():
                 raise InvalidArgument("gpusnapd cannot checkpoint itself")
             if not proctree.exists(pid):
                 raise NotFound(f"no such process: {pid}")
+            _check_checkpointable(pid)
             root = pid
             name = self._adhoc_name(pid)
             wcfg = self.config.workload(name)
@@ -232,6 +245,7 @@ class DaemonService:
         pids = [p for p in pids if p != os.getpid()]
         if not pids:
             raise NotFound(f"workload {w.name} is not running (no process found)")
+        _check_checkpointable(pids[0], workload=w.name)
         return pids[0]
 
     def _adhoc_name(self, pid: int) -> str:
@@ -260,6 +274,7 @@ class DaemonService:
                 )
         else:
             raise InvalidArgument("give a checkpoint id, or --workload NAME --latest")
+        self.require_verified("restore")
         request = RestoreRequest(checkpoint_id=checkpoint_id or None, workload=workload or None)
         return self.executor.submit(
             JobKind.RESTORE,
@@ -267,8 +282,19 @@ class DaemonService:
             lambda ctx: run_restore(self, ctx, request),
         )
 
+    def require_verified(self, what: str) -> None:
+        """Refuse to act on a manifest this daemon cannot authenticate: a restore runs the
+        checkpointed tree, a cold start runs the manifest's launch spec (as root), so neither
+        may come from a store read with ``[store] verify = false``."""
+        if not self.config.store.verify:
+            raise FailedPrecondition(
+                f"refusing to {what}: manifest authenticity is not verified "
+                "([store] verify = false)"
+            )
+
     def compat(self, checkpoint_id: str) -> CompatVerdict:
         check_checkpoint_id(checkpoint_id)
+        self.require_verified("judge a checkpoint for restore")
         manifest = self.store.get().manifest(checkpoint_id)
         reasons = self.reasons(manifest)
         return CompatVerdict(checkpoint_id, not reasons, tuple(reasons))
@@ -535,3 +561,20 @@ class DaemonService:
         self.store.close()
         self.gpu.close()
         self.journal.close()
+        self.state_lock.release()
+
+
+def _check_checkpointable(pid: int, *, workload: str | None = None) -> None:
+    """Refuse, with the reason, a process no checkpoint can capture."""
+    what = f"workload {workload}: pid {pid}" if workload else f"pid {pid}"
+    if pid == 1:
+        raise InvalidArgument(
+            f"{what} is init: gpusnapd does not checkpoint PID 1 (a kill-mode dump would "
+            "stop the whole system or container, and it could be restored only as the init "
+            "of a new one)"
+        )
+    if proctree.is_kernel_thread(pid):
+        raise InvalidArgument(
+            f"{what} ({proctree.comm(pid)}) is a kernel thread: it has no user memory "
+            "and cannot be checkpointed"
+        )

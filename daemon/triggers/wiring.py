@@ -165,8 +165,19 @@ class TriggersRuntime:
             except GpusnapError as exc:
                 self.logind_error = str(exc)
                 log.info("logind shutdown lock not taken: %s", exc)
-        if self.mcfg.standby:
+        if self.mcfg.standby and not self._store_verifies():
+            # A standby acts on what the store says (restore, or cold-start a launch spec as
+            # root): never on records and manifests it cannot authenticate.
+            log.error(
+                "[migration] standby = true is ignored: [store] verify = false, and this node "
+                "does not adopt workloads from a store it does not authenticate"
+            )
+        elif self.mcfg.standby:
             threading.Thread(target=self._start_standby, name="standby-start", daemon=True).start()
+
+    def _store_verifies(self) -> bool:
+        store = getattr(self._service.config, "store", None)
+        return bool(getattr(store, "verify", True))
 
     def _start_standby(self) -> None:
         while not self._stop.is_set():

@@ -96,10 +96,9 @@ def test_pull_into_an_empty_destination_argument_is_a_usage_error(
 ) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    full_env = {**cli.environ()}
     proc = subprocess.run(
         [sys.executable, "-m", "gpusnap.cli.main", "store", "pull", pushed, ""],
-        env=full_env,
+        env=cli.environ(),
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -165,9 +164,7 @@ def test_gc_that_skips_its_sweep_says_so_in_its_exit_code(
     assert result.rc != 0, "a gc that deleted nothing because of a bad manifest must not exit 0"
 
 
-def test_pushing_never_writes_through_a_symlinked_store_directory(
-    cli: Cli, tmp_path: Path
-) -> None:
+def test_pushing_never_writes_through_a_symlinked_store_directory(cli: Cli, tmp_path: Path) -> None:
     store = tmp_path / "store"
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -188,7 +185,8 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root")
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]
+    if subprocess.run(mount, check=False).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield mnt

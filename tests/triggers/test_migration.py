@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -276,3 +278,131 @@ def test_parse_migration_config() -> None:
         parse_migration_config({"standbye": True})
     with pytest.raises(InvalidArgument, match="claim_timeout"):
         parse_migration_config({"claim_timeout": 0})
+
+
+# --- records that do not hold are ignored, and cannot stall a migration -------------------------
+
+
+def _sealed(store: CheckpointStore, kind: str, **fields: object) -> bytes:
+    """A record validly signed with the store's key, with whatever fields a test wants."""
+    doc = {"format": f"gpusnap.migration.{kind}/1", **fields}
+    return store.sign(json.dumps(doc).encode())
+
+
+def test_a_planted_garbage_claim_does_not_stall_the_migration(store: CheckpointStore) -> None:
+    b = board(store)
+    cid = new_checkpoint_id()
+    b.publish(cid, "llm", "node-a")
+    store.backend.put(f"migrations/{cid}/claim-9999", b"garbage from someone without the key")
+    store.backend.put(f"migrations/{cid}/claim-0000", b"{}")
+    assert [r.checkpoint_id for r in b.pending()] == [cid]
+    calls, run = restore_ok("restored")
+    (outcome,) = StandbyLoop(b, "node-b", compatible, run).tick()  # type: ignore[arg-type]
+    assert calls == [cid]
+    assert outcome.attempt == 10000  # after every claim name present, valid or not
+    st = b.get(cid)
+    assert st.status == "restored"
+    assert st.claim is not None and st.claim.node_id == "node-b"
+
+
+def test_a_planted_garbage_outcome_neither_ends_the_migration_nor_keeps_the_real_one_out(
+    store: CheckpointStore,
+) -> None:
+    b = board(store)
+    cid = new_checkpoint_id()
+    b.publish(cid, "llm", "node-a")
+    store.backend.put(f"migrations/{cid}/outcome", b"not a record")
+    assert b.get(cid).status == "pending"
+    assert [r.checkpoint_id for r in b.pending()] == [cid]
+    calls, run = restore_ok("restored")
+    (outcome,) = StandbyLoop(b, "node-b", compatible, run).tick()  # type: ignore[arg-type]
+    assert calls == [cid]
+    st = b.get(cid)
+    assert st.status == "restored" and st.outcome == outcome
+
+
+def test_signed_records_of_another_checkpoint_do_not_count_in_this_one(
+    store: CheckpointStore,
+) -> None:
+    # Copied from another migration's folder: signed, but not about this checkpoint.
+    b = board(store)
+    other, cid = new_checkpoint_id(), new_checkpoint_id()
+    b.publish(other, "llm", "node-a")
+    claim = b.claim(other, "node-b", "restore")
+    assert claim is not None
+    b.record_outcome(claim, succeeded=True, mode="restored")
+    b.publish(cid, "llm", "node-a")
+    for name in ("claim-0000", "outcome"):
+        blob = store.backend.get(f"migrations/{other}/{name}")
+        store.backend.put(f"migrations/{cid}/{name}", blob)
+    st = b.get(cid)
+    assert (st.status, st.claim, st.outcome) == ("pending", None, None)
+    assert [r.checkpoint_id for r in b.pending()] == [cid]
+    mine = b.claim(cid, "node-c", "restore")
+    assert mine is not None and mine.attempt == 1
+    b.record_outcome(mine, succeeded=True, mode="restored")
+    assert b.get(cid).outcome is not None
+    assert b.get(cid).outcome.node_id == "node-c"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"attempt": "0"},
+        {"attempt": 3},  # not the number in its name
+        {"mode": "exec"},
+        {"claimed_at": None},
+        {"node_id": ["node-z"]},
+    ],
+    ids=["attempt-a-string", "attempt-not-its-name", "unknown-mode", "no-time", "node-a-list"],
+)
+def test_a_signed_but_malformed_claim_is_ignored(
+    store: CheckpointStore, bad: dict[str, Any]
+) -> None:
+    b = board(store)
+    cid = new_checkpoint_id()
+    b.publish(cid, "llm", "node-a")
+    good = {
+        "checkpoint_id": cid,
+        "node_id": "node-z",
+        "mode": "restore",
+        "attempt": 0,
+        "claimed_at": time.time(),
+        "reason": "",
+        "nonce": "x",
+    }
+    store.backend.put(f"migrations/{cid}/claim-0000", _sealed(store, "claim", **{**good, **bad}))
+    assert b.get(cid).claim is None
+    assert [r.checkpoint_id for r in b.pending()] == [cid]
+
+
+def test_a_signed_request_with_wrong_types_is_skipped_without_stalling_the_others(
+    store: CheckpointStore,
+) -> None:
+    b = board(store)
+    bad, good = new_checkpoint_id(), new_checkpoint_id()
+    store.backend.put(
+        f"migrations/{bad}/request",
+        _sealed(
+            store,
+            "request",
+            checkpoint_id=bad,
+            workload="llm",
+            source_node="node-a",
+            created_at="yesterday",
+        ),
+    )
+    b.publish(good, "llm", "node-a")
+    assert [r.checkpoint_id for r in b.pending()] == [good]
+    assert [s.request.checkpoint_id for s in b.statuses()] == [good]
+
+
+def test_a_garbage_request_is_replaced_when_the_checkpoint_is_published(
+    store: CheckpointStore,
+) -> None:
+    b = board(store)
+    cid = new_checkpoint_id()
+    store.backend.put(f"migrations/{cid}/request", b"planted before the publish")
+    req = b.publish(cid, "llm", "node-a")
+    assert b.get(cid).request == req
+    assert [r.checkpoint_id for r in b.pending()] == [cid]
