@@ -27,9 +27,16 @@ from gpusnap.cli._common import (
 )
 from gpusnap.cli._output import ProgressBar, human_bytes, print_json, render_table
 from gpusnap.storage import CheckpointStore, generate_encryption_key, generate_signing_key
-from gpusnap.storage.errors import EXIT_INTEGRITY, EXIT_OK, AlreadyExists, NotFound
+from gpusnap.storage.errors import EXIT_FAILURE, EXIT_INTEGRITY, EXIT_OK, AlreadyExists, NotFound
 
 Progress = Callable[[int, int], None]
+
+
+def _path_arg(text: str) -> Path:
+    """A path argument; an empty string would silently mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a path must not be empty")
+    return Path(text)
 
 
 def register(subparsers: Subparsers) -> None:
@@ -43,14 +50,14 @@ def register(subparsers: Subparsers) -> None:
     parents = [common_parser(), store_parser()]
 
     p = sub.add_parser("push", parents=parents, help="upload a directory as a new checkpoint")
-    p.add_argument("dir", type=Path, metavar="DIR", help="directory to upload")
+    p.add_argument("dir", type=_path_arg, metavar="DIR", help="directory to upload")
     p.add_argument("--workload", required=True, metavar="NAME", help="workload name")
     p.add_argument("--parent", metavar="ID", help="checkpoint this one follows")
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("pull", parents=parents, help="download a checkpoint into a directory")
     p.add_argument("checkpoint_id", metavar="ID")
-    p.add_argument("dest", type=Path, metavar="DEST", help="destination directory")
+    p.add_argument("dest", type=_path_arg, metavar="DEST", help="destination directory")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("ls", parents=parents, help="list checkpoints, newest first")
@@ -311,9 +318,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         kwargs["grace_seconds"] = args.grace
     with _opened(args) as store:
         report = store.gc(**kwargs)
+    # A gc that hit a problem (an unreadable manifest makes it keep every chunk) must not look
+    # like success to a cron job, or the store silently stops shrinking.
+    code = EXIT_FAILURE if report.problems else EXIT_OK
     if args.json:
         print_json(_as_dict(report))
-        return EXIT_OK
+        return code
     verb = "would delete" if args.dry_run else "deleted"
     for checkpoint in report.manifests_deleted:
         _out(f"{verb} checkpoint {checkpoint} (retention)")
@@ -326,7 +336,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         _out(f"no chunk deleted: pushes in flight ({', '.join(report.blocked_by)})")
     for problem in report.problems:
         _out(f"problem: {problem}")
-    return EXIT_OK
+    if report.problems:
+        sys.stderr.write(f"gpusnap: error: gc found {len(report.problems)} problem(s)\n")
+    return code
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
