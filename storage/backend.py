@@ -12,7 +12,7 @@ raised by the underlying library is translated at this boundary.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -86,6 +86,46 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeferredSyncBackend(Protocol):
+    """Optional: puts that are not durable on return, made durable later in one ``sync``.
+
+    A backend whose durable put is expensive per object (a directory: fsync of the file and
+    of its directory) offers this so that a push writes its chunks at disk speed and pays
+    for durability once, before its manifest. A backend without it (S3, where a 200 means
+    durable) is used through ``put`` and needs no sync; ``put_deferred`` and
+    ``sync_deferred`` below pick the right call.
+    """
+
+    def put_unsynced(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key`` atomically (readers never see a partial object),
+        but not necessarily durably: a power cut before the next ``sync`` may lose it."""
+        ...
+
+    def sync(self, keys: Iterable[str] | None = None) -> None:
+        """Make durable the objects under ``keys``, or with ``None`` every object.
+
+        Each key was put with ``put_unsynced``, by this or another process on this host
+        (a push may reference chunks another local push wrote); a key that no longer exists
+        is skipped. ``None`` covers every ``put_unsynced`` that has returned on this host.
+        """
+        ...
+
+
+def put_deferred(backend: Backend, key: str, data: bytes) -> None:
+    """``put_unsynced`` where the backend offers it, else a plain (durable) ``put``."""
+    if isinstance(backend, DeferredSyncBackend):
+        backend.put_unsynced(key, data)
+    else:
+        backend.put(key, data)
+
+
+def sync_deferred(backend: Backend, keys: Iterable[str] | None = None) -> None:
+    """``sync`` where the backend defers durability (``None``: everything); else nothing."""
+    if isinstance(backend, DeferredSyncBackend):
+        backend.sync(keys)
 
 
 BackendFactory = Callable[[str, BackendOptions], Backend]

@@ -2,15 +2,19 @@
 
 Both run chunks through a thread pool; zstandard, blake3, AES-GCM and file/socket I/O release
 the GIL, so the stages overlap across cores. Memory is bounded by a byte budget on the chunks
-in flight (``workers x 2 x max chunk`` by default), whatever the size of the input. The calling
-thread cuts files and reports progress; workers never call back into user code.
+in flight (``workers x 2 x max chunk`` by default), whatever the size of the input. Files are
+cut on helper threads, the next file's cut overlapping this one's (``_CutAhead``); streams are
+cut by the calling thread, which submits chunks and reports progress; workers never call
+back into user code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import queue
 import secrets
 import threading
 from collections.abc import Callable, Generator, Iterator
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.storage.backend import Backend
+from gpusnap.storage.backend import Backend, put_deferred
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.errors import (
@@ -126,6 +130,92 @@ class PushInput:
     size: int
     mode: int
     chunks: Callable[[], Generator[memoryview, None, None]]  # in order; caller releases
+    # Whether ``chunks`` may run on a helper thread, ahead of the calling thread (files:
+    # yes; streams: no, their producer may be tied to the calling thread, e.g. a CUDA one).
+    cut_ahead: bool = False
+
+
+_END = object()
+# How many inputs are cut at once, ahead of the one being submitted, and how many chunks a
+# cutter may run ahead (views into mapped files: address space and page cache, no copies).
+CUT_AHEAD_INPUTS = 3
+CUT_AHEAD_CHUNKS = 4096
+
+
+_Named = tuple[memoryview, str | None]  # a chunk and its id, when already computed
+
+
+class _CutAhead:
+    """Runs one input's ``chunks`` generator on its own thread, feeding a bounded queue.
+
+    FastCDC releases the GIL while it scans, so cutting the next files overlaps with cutting
+    this one and with hashing (on the workers): an incremental push, which compresses little,
+    is otherwise bounded by one thread cutting every byte in turn. (Hashing on the cutter,
+    while the bytes are in cache, measured slower: it lengthens each file's serial path.)
+    """
+
+    def __init__(self, src: PushInput) -> None:
+        self._queue: queue.Queue[object] = queue.Queue(CUT_AHEAD_CHUNKS)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(src,), name=f"gpusnap-cut {src.path}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, src: PushInput) -> None:
+        try:
+            with contextlib.closing(src.chunks()) as chunks:
+                for chunk in chunks:
+                    if not self._offer((chunk, None)):
+                        chunk.release()
+                        return
+            self._offer(_END)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._offer(exc)
+
+    def _offer(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def chunks(self) -> Generator[_Named, None, None]:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, tuple)
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the cutter and release every chunk it cut that nobody consumed."""
+        self._stop.set()
+        self._drain()  # frees a cutter blocked on a full queue
+        self._thread.join()
+        self._drain()  # it may have queued one more before it saw the stop
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                item[0].release()
+
+
+def _unnamed(src: PushInput) -> Generator[_Named, None, None]:
+    with contextlib.closing(src.chunks()) as chunks:
+        for chunk in chunks:
+            yield chunk, None
 
 
 def file_input(src: SourceFile, chunker: Chunker) -> PushInput:
@@ -144,7 +234,7 @@ def file_input(src: SourceFile, chunker: Chunker) -> PushInput:
         finally:
             view.release()  # the map goes away when the last slice is released
 
-    return PushInput(src.path, src.size, src.mode, chunks)
+    return PushInput(src.path, src.size, src.mode, chunks, cut_ahead=True)
 
 
 def push_files(
@@ -188,8 +278,10 @@ def push_inputs(
 ) -> tuple[list[FileEntry], PushStats]:
     """Chunk, dedup and upload ``inputs`` (files or streams), in order.
 
-    Returns their entries once every put has returned. A stream is consumed exactly once,
-    by the calling thread; an error it raises aborts the push like any other.
+    Returns their entries once every put has returned. Puts may not be durable yet: the
+    caller makes them so (``CheckpointStore._make_durable``) before a manifest names them.
+    A stream is consumed exactly once, by the calling thread; an error it raises aborts the
+    push like any other.
     """
     stats = PushStats(bytes_total=sum(f.size for f in inputs))
     budget = ByteBudget(budget_bytes)
@@ -203,8 +295,10 @@ def push_inputs(
     def put(chunk_id: str, data: bytes, length: int) -> None:
         try:
             run.raise_if_aborted()
-            backend.put(chunk_key(chunk_id), data)
-            index.add(chunk_id, len(data))
+            # Not durable yet where the backend defers it: the caller syncs once, before
+            # any manifest names the chunk; until then the index marks it pending.
+            put_deferred(backend, chunk_key(chunk_id), data)
+            index.add(chunk_id, len(data), pending=True)
             with stats.lock:
                 stats.bytes_uploaded += len(data)
                 stats.chunks_uploaded += 1
@@ -215,13 +309,13 @@ def push_inputs(
         finally:
             budget.release(length)
 
-    def task(view: memoryview, length: int) -> ChunkRef:
+    def task(view: memoryview, length: int, named: str | None) -> ChunkRef:
         # CPU stage (hash, compress, encrypt) here; the put goes to the I/O pool so that
         # slow storage never idles a core.
         handed_off = False
         try:
             run.raise_if_aborted()
-            chunk_id = codec.chunk_id(view)
+            chunk_id = named if named is not None else codec.chunk_id(view)
             with seen_lock:
                 fresh = chunk_id not in seen and not index.contains(chunk_id)
                 seen.add(chunk_id)
@@ -247,12 +341,17 @@ def push_inputs(
             progress(stats.bytes_done, stats.bytes_total)
 
     pending: list[tuple[PushInput, list[Future[ChunkRef]]]] = []
+    cutters: dict[int, _CutAhead] = {}
     try:
-        for src in inputs:
+        for i, src in enumerate(inputs):
             futures: list[Future[ChunkRef]] = []
             pending.append((src, futures))
-            with contextlib.closing(src.chunks()) as chunks:
-                for chunk in chunks:
+            for ahead in range(i, min(i + CUT_AHEAD_INPUTS, len(inputs))):
+                if inputs[ahead].cut_ahead and ahead not in cutters:
+                    cutters[ahead] = _CutAhead(inputs[ahead])
+            cutter = cutters.get(i)
+            with contextlib.closing(cutter.chunks() if cutter else _unnamed(src)) as chunks:
+                for chunk, named in chunks:
                     length = len(chunk)
                     try:
                         budget.acquire(length, run.abort)
@@ -260,7 +359,7 @@ def push_inputs(
                     except BaseException:
                         chunk.release()
                         raise
-                    futures.append(executor.submit(task, chunk, length))
+                    futures.append(executor.submit(task, chunk, length, named))
                     report()
         for _src, futures in pending:
             for fut in futures:
@@ -298,6 +397,9 @@ def push_inputs(
         if run.error is not None:
             raise run.error from None
         raise
+    finally:
+        for cutter in cutters.values():  # idempotent; stops any cut never consumed
+            cutter.close()
     entries = [
         FileEntry(src.path, src.size, src.mode, [fut.result() for fut in futures])
         for src, futures in pending
@@ -369,6 +471,38 @@ def _check_size(chunk_id: str, content: bytes | memoryview, size: int) -> None:
         raise Corrupt(f"chunk {chunk_id} has {len(content)} bytes, the manifest says {size}")
 
 
+def _interleaved(files: list[FileEntry]) -> list[str]:
+    """Distinct chunk ids, taking one chunk of each file in turn.
+
+    Buffered writes to one file serialise on its inode lock (and with it the page-cache
+    allocation they do), so concurrent writers should mostly be writing different files.
+    """
+    order: list[str] = []
+    seen: set[str] = set()
+    for group in itertools.zip_longest(*(entry.chunks for entry in files)):
+        for ref in group:
+            if ref is not None and ref.id not in seen:
+                seen.add(ref.id)
+                order.append(ref.id)
+    return order
+
+
+def _is_zeros(obj: bytes, content: bytes | memoryview) -> bool:
+    """Whether ``content`` is all zero bytes; cheap unless ``obj`` compressed it very well."""
+    size = len(content)
+    if size == 0 or len(obj) * 64 > size:  # zstd shrinks zeros far more than 64x
+        return size == 0
+    return content == bytes(size)  # calloc'd zero pages: no copy, one memcmp
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
 def _make_dirs(path: Path, layout: _Layout) -> None:
     missing: list[Path] = []
     probe = path
@@ -426,8 +560,11 @@ def pull_files(
                 obj = backend.get(chunk_key(chunk_id))
                 content = codec.decode(chunk_id, obj)  # verified before any byte is used
                 _check_size(chunk_id, content, size)
-                for fd, offset in places[chunk_id]:
-                    os.pwrite(fd, content, offset)
+                # Every temp file starts as a hole of its full size (ftruncate), which reads
+                # as zeros: a zero chunk (a KV pool's empty blocks) needs no write at all.
+                if not _is_zeros(obj, content):
+                    for fd, offset in places[chunk_id]:
+                        _pwrite_all(fd, content, offset)
                 with stats.lock:
                     stats.bytes_fetched += len(obj)
                     stats.bytes_done += size * len(places[chunk_id])
@@ -439,7 +576,7 @@ def pull_files(
                 budget.release(size)
 
         futures: list[Future[None]] = []
-        for chunk_id in places:
+        for chunk_id in _interleaved(manifest.files):
             budget.acquire(sizes[chunk_id], run.abort)
             if run.abort.is_set():
                 break

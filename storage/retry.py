@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from gpusnap.storage.errors import AlreadyExists, GpusnapError, InvalidArgument
@@ -95,6 +95,21 @@ class RetryingBackend:
                 raise
 
         self._call("put", key, attempt)
+
+    def put_unsynced(self, key: str, data: bytes) -> None:
+        """``put_unsynced`` of ``inner`` (its durable ``put`` when it has none), retried."""
+        unsynced = getattr(self.inner, "put_unsynced", None)
+        if unsynced is None:
+            self._call("put", key, lambda: self.inner.put(key, data))
+        else:
+            self._call("put", key, lambda: unsynced(key, data))
+
+    def sync(self, keys: Iterable[str] | None = None) -> None:
+        """``sync`` of ``inner`` (nothing when its puts are durable), retried."""
+        sync = getattr(self.inner, "sync", None)
+        if sync is not None:
+            listed = None if keys is None else list(keys)
+            self._call("sync", "", lambda: sync(listed))
 
     def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
         return self._call("get", key, lambda: self.inner.get(key, offset=offset, length=length))

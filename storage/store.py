@@ -8,19 +8,18 @@ Key layout (see docs/design.md)::
     locks/gc-<gc id>                a gc run: started, then its finish time
     migrations/                     reserved for the migration protocol
 
-Write order: chunks, then the manifest; readers go the other way. The gc protocol that keeps
-a push's chunks alive is described in ``gc`` and in docs/design.md.
+Write order: chunks, a sync that makes them durable, then the manifest; readers go the other
+way. gc, retention and the lock protocol that keeps a push's chunks alive are in
+``storage/gc.py`` (and docs/design.md); this module keeps the public ``gc`` entry point.
 """
 
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import os
 import socket
 import stat
-import threading
 import time
 from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpusnap.storage.backend import Backend, BackendOptions, ObjectInfo, open_backend
+from gpusnap.storage.backend import (
+    Backend,
+    BackendOptions,
+    open_backend,
+    sync_deferred,
+)
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.errors import (
@@ -39,6 +43,15 @@ from gpusnap.storage.errors import (
     InvalidArgument,
     NotFound,
     Unavailable,
+)
+from gpusnap.storage.gc import (
+    LOCK_PREFIX,
+    LOCK_REFRESH_SECONDS,
+    LOCK_STALE_SECONDS,
+    GcReport,
+    LockHolder,
+    collect,
+    sync_index_if_gc_ran,
 )
 from gpusnap.storage.index import ChunkIndex, default_cache_dir
 from gpusnap.storage.keys import (
@@ -51,13 +64,15 @@ from gpusnap.storage.keys import (
 )
 from gpusnap.storage.manifest import (
     ENVELOPE_FORMAT,
+    MANIFEST_PREFIX,
     FileEntry,
     Manifest,
     ManifestSummary,
     check_checkpoint_id,
     check_workload,
-    is_checkpoint_id,
+    manifest_key,
     new_checkpoint_id,
+    split_manifest_key,
 )
 from gpusnap.storage.pipeline import (
     CHUNK_PREFIX,
@@ -85,17 +100,8 @@ from gpusnap.storage.streams import (
 
 log = logging.getLogger(__name__)
 
-MANIFEST_PREFIX = "manifests/"
-LOCK_PREFIX = "locks/"
 MIGRATION_PREFIX = "migrations/"  # reserved: the migration protocol owns it
 RECORD_FORMAT = "gpusnap.record/1"
-# A lock not refreshed for this long belongs to a dead process.
-LOCK_STALE_SECONDS = 900.0
-LOCK_REFRESH_SECONDS = 120.0
-# Allowance for clocks of different hosts (and the store) disagreeing.
-CLOCK_MARGIN_SECONDS = 300.0
-# gc records are kept this long; an index older than this is rebuilt before use.
-GC_RECORD_KEEP_SECONDS = 7 * 86400.0
 
 
 @dataclass
@@ -149,75 +155,6 @@ class VerifyReport:
         out["ok"] = self.ok
         out["problems"] = self.problems
         return out
-
-
-@dataclass
-class GcReport:
-    dry_run: bool = False
-    manifests_deleted: list[str] = field(default_factory=list)
-    chunks_deleted: int = 0
-    bytes_freed: int = 0
-    chunks_kept_in_grace: int = 0
-    chunks_referenced: int = 0
-    blocked_by: list[str] = field(default_factory=list)
-    stale_locks_removed: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class _GcRecord:
-    key: str
-    started_at: float
-    finished_at: float | None
-    mtime: float
-    swept: bool
-
-
-class _LockHolder:
-    """Writes a lock object and rewrites it every ``interval`` seconds until stopped."""
-
-    def __init__(self, backend: Backend, key: str, body: dict[str, Any], interval: float) -> None:
-        self._backend = backend
-        self.key = key
-        self.body = body
-        self._stop = threading.Event()
-        self._interval = interval
-        self._thread = threading.Thread(target=self._run, name=f"lock {key}", daemon=True)
-
-    def start(self) -> None:
-        self.write()
-        self._thread.start()
-
-    def write(self) -> None:
-        self.body["refreshed_at"] = time.time()
-        self._backend.put(self.key, json.dumps(self.body).encode())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.write()
-            except GpusnapError as exc:
-                log.warning("could not refresh lock %s: %s", self.key, exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-
-def _manifest_key(workload: str, checkpoint_id: str) -> str:
-    return f"{MANIFEST_PREFIX}{workload}/{checkpoint_id}"
-
-
-def _split_manifest_key(key: str) -> tuple[str, str] | None:
-    rest = key.removeprefix(MANIFEST_PREFIX)
-    workload, _, checkpoint_id = rest.partition("/")
-    if key == rest or not workload or not is_checkpoint_id(checkpoint_id):
-        return None
-    return workload, checkpoint_id
 
 
 class CheckpointStore:
@@ -313,7 +250,7 @@ class CheckpointStore:
         if kinds and extra is not None and STREAMS_EXTRA_KEY in extra:
             raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
         created_at = time.time()
-        lock = _LockHolder(
+        lock = LockHolder(
             self.backend,
             f"{LOCK_PREFIX}push-{checkpoint_id}",
             {"host": socket.gethostname(), "pid": os.getpid(), "started_at": created_at},
@@ -362,6 +299,8 @@ class CheckpointStore:
                     entries = entries + streamed
                     stats.bytes_uploaded += again.bytes_uploaded
                     stats.chunks_uploaded += again.chunks_uploaded
+            # Write order: every chunk durable, then the manifest that names them.
+            self._make_durable()
             seconds = time.monotonic() - started
             manifest = Manifest(
                 checkpoint_id=checkpoint_id,
@@ -387,7 +326,7 @@ class CheckpointStore:
                 encryption=self._encryption,
             )
             try:
-                self.backend.put(_manifest_key(workload, checkpoint_id), blob, if_absent=True)
+                self.backend.put(manifest_key(workload, checkpoint_id), blob, if_absent=True)
             except AlreadyExists as exc:
                 raise AlreadyExists(f"checkpoint {checkpoint_id} already exists") from exc
         finally:
@@ -510,79 +449,41 @@ class CheckpointStore:
             chunk_id = chunk_id_of_key(info.key)
             if chunk_id is not None:
                 entries.append((chunk_id, info.size))
+        # A listed chunk may be one a local push put but has not synced yet (perhaps with
+        # another index): sync everything, so that every entry of the rebuilt index is
+        # durable. Rebuilds are rare (first use, after a gc), so a whole-store sync is fine.
+        sync_deferred(self.backend)
         return self.index.replace_all(entries, listed_at)
 
-    def _gc_records(self) -> builtins.list[_GcRecord]:
-        records = []
-        for info in self.backend.list(f"{LOCK_PREFIX}gc-"):
-            try:
-                body = json.loads(self.backend.get(info.key))
-                started = float(body["started_at"])
-                finished = body.get("finished_at")
-                records.append(
-                    _GcRecord(
-                        info.key,
-                        started,
-                        None if finished is None else float(finished),
-                        info.mtime,
-                        bool(body.get("swept", True)),
-                    )
-                )
-            except NotFound:
-                continue
-            except (ValueError, KeyError, TypeError):
-                # An unreadable record: assume the worst (a gc that is running now).
-                records.append(_GcRecord(info.key, time.time(), None, time.time(), True))
-        return records
+    def _make_durable(self) -> None:
+        """Make every pending chunk durable (one backend sync), and say so in the index.
 
-    def _sync_index_if_gc_ran(self, *, wait_for_running: bool = False) -> bool:
-        """Rebuild the index when a gc may have deleted chunks since it was last listed.
-
-        A gc record is dangerous to an index listed at ``T`` if that gc had not finished
-        before ``T`` (less a clock margin). With ``wait_for_running``, gc runs still in
-        progress are waited for first, so the LIST sees everything they deleted.
+        The pending entries are read before the sync starts, so each was added after its
+        put returned: the sync covers it. They are this push's chunks and any left pending
+        by earlier pushes of this boot (killed ones included) that this push may reference.
         """
-        synced = self.index.synced_at
-        now = time.time()
-        if synced is None or synced < now - GC_RECORD_KEEP_SECONDS + CLOCK_MARGIN_SECONDS:
-            self.rebuild_index()
-            return True
-        deadline = time.monotonic() + self.lock_stale_seconds
-        while True:
-            records = self._gc_records()
-            risky = [
-                r
-                for r in records
-                if r.finished_at is None
-                or (r.swept and r.finished_at >= synced - CLOCK_MARGIN_SECONDS)
-            ]
-            if not risky:
-                return False
-            running = [
-                r
-                for r in risky
-                if r.finished_at is None and r.mtime >= time.time() - self.lock_stale_seconds
-            ]
-            if not (wait_for_running and running):
-                break
-            if time.monotonic() > deadline:
-                raise Unavailable(f"gc {running[0].key} is still running; push not committed")
-            time.sleep(0.2)
-        self.rebuild_index()
-        return True
+        pending = self.index.pending()
+        started = time.monotonic()
+        sync_deferred(self.backend, [chunk_key(chunk_id) for chunk_id, _mark in pending])
+        self.index.mark_synced(pending)
+        log.debug(
+            "synced the store for %d pending chunks in %.3fs",
+            len(pending),
+            time.monotonic() - started,
+        )
 
     # --- reading manifests --------------------------------------------------------------
 
     def _find_manifest_key(self, checkpoint_id: str) -> str:
         check_checkpoint_id(checkpoint_id)
         for info in self.backend.list(MANIFEST_PREFIX):
-            parts = _split_manifest_key(info.key)
+            parts = split_manifest_key(info.key)
             if parts is not None and parts[1] == checkpoint_id:
                 return info.key
         raise NotFound(f"checkpoint {checkpoint_id} not found")
 
     def _read_manifest(self, key: str, *, verify: bool | None = None) -> Manifest:
-        parts = _split_manifest_key(key)
+        parts = split_manifest_key(key)
         if parts is None:
             raise Corrupt(f"store object {key} is not a manifest key")
         workload, checkpoint_id = parts
@@ -611,7 +512,7 @@ class CheckpointStore:
         )
         out: builtins.list[ManifestSummary] = []
         for info in self.backend.list(prefix):
-            if _split_manifest_key(info.key) is None:
+            if split_manifest_key(info.key) is None:
                 continue
             try:
                 out.append(ManifestSummary.of(self._read_manifest(info.key)))
@@ -693,7 +594,7 @@ class CheckpointStore:
         """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks."""
         report = VerifyReport(read_data=read_data)
         if ids is None:
-            keys = [i.key for i in self.backend.list(MANIFEST_PREFIX) if _split_manifest_key(i.key)]
+            keys = [i.key for i in self.backend.list(MANIFEST_PREFIX) if split_manifest_key(i.key)]
         else:
             keys = [self._find_manifest_key(i) for i in ids]
         referenced: dict[str, str] = {}  # chunk id -> a checkpoint that uses it
@@ -729,134 +630,20 @@ class CheckpointStore:
                     report.chunks_corrupt.append(problem)
         return report
 
-    # --- gc -----------------------------------------------------------------------------
+    # --- gc (storage/gc.py) -------------------------------------------------------------
 
     def gc(
         self, *, keep_last: int | None = None, grace_seconds: float = 3600.0, dry_run: bool = False
     ) -> GcReport:
         """Apply retention, then delete chunks no manifest references and older than grace.
 
-        Order matters: (1) record this gc under ``locks/gc-<id>``; (2) look for push locks —
-        a fresh one means no chunk is deleted in this run; (3) only then read the manifests;
-        (4) delete unreferenced chunks older than the grace period; (5) record the finish.
-        A push that starts after (2) sees this gc's record before committing and re-checks
-        its chunks (``_sync_index_if_gc_ran``).
+        The protocol that keeps a push's chunks alive is in ``storage/gc.py`` and
+        docs/design.md.
         """
-        if keep_last is not None and keep_last < 1:
-            raise InvalidArgument("keep_last must be at least 1")
-        if grace_seconds < 0:
-            raise InvalidArgument("grace must not be negative")
-        report = GcReport(dry_run=dry_run)
-        now = time.time()
-        holder: _LockHolder | None = None
-        if not dry_run:
-            holder = _LockHolder(
-                self.backend,
-                f"{LOCK_PREFIX}gc-{new_checkpoint_id(now)}",
-                {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "started_at": now,
-                    "finished_at": None,
-                    "swept": False,
-                },
-                self.lock_refresh_seconds,
-            )
-            holder.start()
-        try:
-            self._gc_locks(report, dry_run)
-            if keep_last is not None:
-                self._gc_retention(report, keep_last, dry_run)
-            if not report.blocked_by:
-                if holder is not None:
-                    # Pushes that overlap a sweeping gc re-check their chunks; say so first.
-                    holder.body["swept"] = True
-                    holder.write()
-                self._gc_sweep(report, grace_seconds, dry_run)
-        finally:
-            if holder is not None:
-                holder.stop()
-                holder.body["finished_at"] = time.time()
-                holder.write()
-        if not dry_run:
-            self._gc_old_records(holder.key if holder else None)
-        return report
+        return collect(self, keep_last=keep_last, grace_seconds=grace_seconds, dry_run=dry_run)
 
-    def _gc_locks(self, report: GcReport, dry_run: bool) -> None:
-        now = time.time()
-        for info in self.backend.list(f"{LOCK_PREFIX}push-"):
-            if info.mtime >= now - self.lock_stale_seconds:
-                report.blocked_by.append(info.key)
-            else:
-                report.stale_locks_removed.append(info.key)
-                if not dry_run:
-                    self.backend.delete(info.key)
-        if report.blocked_by:
-            log.info("gc: pushes in flight (%s); no chunk is deleted", ", ".join(report.blocked_by))
-
-    def _gc_retention(self, report: GcReport, keep_last: int, dry_run: bool) -> None:
-        by_workload: dict[str, builtins.list[tuple[float, str, str]]] = {}
-        for info in self.backend.list(MANIFEST_PREFIX):
-            parts = _split_manifest_key(info.key)
-            if parts is None:
-                continue
-            try:
-                created = self._read_manifest(info.key).created_at
-            except (Corrupt, NotFound, FailedPrecondition) as exc:
-                report.problems.append(f"{info.key}: {exc} (kept)")
-                continue
-            by_workload.setdefault(parts[0], []).append((created, parts[1], info.key))
-        for entries in by_workload.values():
-            entries.sort(reverse=True)
-            for _created, checkpoint_id, key in entries[keep_last:]:
-                report.manifests_deleted.append(checkpoint_id)
-                if not dry_run:
-                    self.backend.delete(key)
-
-    def _gc_sweep(self, report: GcReport, grace_seconds: float, dry_run: bool) -> None:
-        referenced: set[str] = set()
-        deleted_manifests = set(report.manifests_deleted) if not dry_run else set()
-        pretend_deleted = set(report.manifests_deleted) if dry_run else set()
-        for info in self.backend.list(MANIFEST_PREFIX):
-            parts = _split_manifest_key(info.key)
-            if parts is None or parts[1] in deleted_manifests or parts[1] in pretend_deleted:
-                continue
-            try:
-                # Authenticity does not matter for marking: keeping more is always safe.
-                manifest = self._read_manifest(info.key, verify=False)
-            except (Corrupt, FailedPrecondition) as exc:
-                report.problems.append(f"{info.key}: {exc}; no chunk deleted")
-                return
-            except NotFound:
-                continue
-            referenced |= manifest.chunk_ids()
-        report.chunks_referenced = len(referenced)
-        cutoff = time.time() - grace_seconds
-        doomed: builtins.list[ObjectInfo] = []
-        for info in self.backend.list(CHUNK_PREFIX):
-            chunk_id = chunk_id_of_key(info.key)
-            if chunk_id is None or chunk_id in referenced:
-                continue
-            if info.mtime > cutoff:
-                report.chunks_kept_in_grace += 1
-                continue
-            doomed.append(info)
-        for info in doomed:
-            if not dry_run:
-                self.backend.delete(info.key)
-            report.chunks_deleted += 1
-            report.bytes_freed += info.size
-        if not dry_run:
-            self.index.discard(cid for i in doomed if (cid := chunk_id_of_key(i.key)))
-
-    def _gc_old_records(self, own_key: str | None) -> None:
-        cutoff = time.time() - GC_RECORD_KEEP_SECONDS
-        for record in self._gc_records():
-            if record.key == own_key:
-                continue
-            end = record.finished_at if record.finished_at is not None else record.mtime
-            if end < cutoff:
-                self.backend.delete(record.key)
+    def _sync_index_if_gc_ran(self, *, wait_for_running: bool = False) -> bool:
+        return sync_index_if_gc_ran(self, wait_for_running=wait_for_running)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -44,7 +44,10 @@ class StreamSource:
 
 @dataclass
 class UploadedStreams:
-    """Streams whose chunks are durably in the store, waiting for a manifest to name them.
+    """Streams whose chunks are in the store, waiting for a manifest to name them.
+
+    On a backend that defers durability (``file://``) the chunks become durable when the
+    ``push`` that names them syncs the store, before it writes its manifest.
 
     Made by ``CheckpointStore.upload_streams``; handed to ``CheckpointStore.push`` through
     ``uploaded_streams``. Until a manifest refers to them the chunks are unreferenced and a
