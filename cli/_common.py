@@ -8,6 +8,7 @@ command name. Command modules (``store_cmds``, ``daemon_cmds``, ``trigger_cmds``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -149,13 +150,13 @@ def backend_options(args: argparse.Namespace) -> BackendOptions:
     )
 
 
-def open_store_from_args(args: argparse.Namespace) -> CheckpointStore:
-    """Open the store the options name."""
+def open_store_from_args(args: argparse.Namespace, *, create: bool = True) -> CheckpointStore:
+    """Open the store the options name; without ``create`` a missing one is ``NotFound``."""
     return open_store(
         store_url(args),
         key_file=_env_path(args.key_file, "GPUSNAP_KEY_FILE"),
         encryption_key_file=_env_path(args.encryption_key_file, "GPUSNAP_ENCRYPTION_KEY_FILE"),
-        options=backend_options(args),
+        options=dataclasses.replace(backend_options(args), create=create),
         verify=not args.insecure_skip_verify,
         cache_dir=args.cache_dir,
         workers=args.workers,

@@ -27,7 +27,16 @@ from gpusnap.cli._common import (
 )
 from gpusnap.cli._output import ProgressBar, human_bytes, print_json, render_table
 from gpusnap.storage import CheckpointStore, generate_encryption_key, generate_signing_key
-from gpusnap.storage.errors import EXIT_FAILURE, EXIT_INTEGRITY, EXIT_OK, AlreadyExists, NotFound
+from gpusnap.storage.errors import (
+    EXIT_FAILURE,
+    EXIT_INTEGRITY,
+    EXIT_OK,
+    AlreadyExists,
+    GpusnapError,
+    InvalidArgument,
+    NotFound,
+    exit_code_for,
+)
 
 Progress = Callable[[int, int], None]
 
@@ -110,8 +119,9 @@ def register(subparsers: Subparsers) -> None:
 
 
 @contextmanager
-def _opened(args: argparse.Namespace) -> Iterator[CheckpointStore]:
-    store = open_store_from_args(args)
+def _opened(args: argparse.Namespace, *, create: bool = False) -> Iterator[CheckpointStore]:
+    """The store; only a push creates one (a mistyped path to read is ``NotFound``)."""
+    store = open_store_from_args(args, create=create)
     try:
         yield store
     finally:
@@ -184,9 +194,13 @@ def _note(args: argparse.Namespace, text: str) -> None:
 
 def cmd_push(args: argparse.Namespace) -> int:
     src: Path = args.dir
-    if not src.is_dir():
+    if not src.exists():
         raise NotFound(f"no such directory: {src}")
-    with _opened(args) as store, _progress(args, "push") as progress:
+    if not src.is_dir():
+        raise InvalidArgument(f"{src} is not a directory; push takes a directory")
+    with _opened(args, create=True) as store, _progress(args, "push") as progress:
+        if args.parent is not None:
+            store.manifest(args.parent)  # NotFound (3) / Corrupt (4) before any upload
         result = store.push(src, workload=args.workload, parent=args.parent, progress=progress)
     data = _as_dict(result)
     if args.json:
@@ -218,10 +232,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _opened(args) as store:
-        summaries = [_as_dict(s) for s in store.list(workload=args.workload)]
+        listed, skipped = store.list_checked(workload=args.workload)
+    summaries = [_as_dict(s) for s in listed]
+    code = _skipped_code(skipped)
     if args.json:
-        print_json({"checkpoints": summaries})
-        return EXIT_OK
+        unreadable = [{"key": key, "error": str(err)} for key, err in skipped]
+        print_json({"checkpoints": summaries, "unreadable": unreadable})
+        _report_skipped(skipped)
+        return code
     rows = [
         [
             str(_first(s, "checkpoint_id", "id", default="?")),
@@ -233,7 +251,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for s in summaries
     ]
     _out(render_table(["ID", "WORKLOAD", "CREATED", "SIZE", "FILES"], rows))
-    return EXIT_OK
+    _report_skipped(skipped)
+    return code
+
+
+def _skipped_code(skipped: list[tuple[str, GpusnapError]]) -> int:
+    """An ls that hid manifests it could not authenticate must not look like success."""
+    if not skipped:
+        return EXIT_OK
+    return max(exit_code_for(err) for _key, err in skipped)
+
+
+def _report_skipped(skipped: list[tuple[str, GpusnapError]]) -> None:
+    if skipped:
+        key, err = skipped[0]
+        sys.stderr.write(
+            f"gpusnap: error: {len(skipped)} manifest(s) left out, not readable or not "
+            f"authentic (first: {key}: {err})\n"
+        )
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -316,7 +351,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"keep_last": args.keep_last, "dry_run": args.dry_run}
     if args.grace is not None:
         kwargs["grace_seconds"] = args.grace
-    with _opened(args) as store:
+    # gc of a store not made yet is an empty gc (as it has always been), not an error.
+    with _opened(args, create=True) as store:
         report = store.gc(**kwargs)
     # A gc that hit a problem (an unreadable manifest makes it keep every chunk) must not look
     # like success to a cron job, or the store silently stops shrinking.

@@ -36,7 +36,7 @@ _T = TypeVar("_T")
 _POLICY_KEYS = tuple(sorted(POLICY_KEYS))
 # sun_path is 108 bytes with its terminating NUL: a longer socket path cannot be bound.
 MAX_SOCKET_PATH_BYTES = 107
-_WORKLOAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_WORKLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -316,7 +316,7 @@ def _parse_workloads(tables: list[_Table]) -> tuple[WorkloadConfig, ...]:
     seen: set[str] = set()
     for t in tables:
         name = t.string("name", required=True) or ""
-        if not _WORKLOAD_NAME.match(name):
+        if not _WORKLOAD_NAME.fullmatch(name):
             raise InvalidArgument(
                 f"{t.where}: key 'name': {name!r} is not a workload name "
                 "(letters, digits, '.', '_', '-'; at most 128)"

@@ -51,7 +51,7 @@ from gpusnap.storage.manifest import Manifest, check_checkpoint_id, check_worklo
 
 log = logging.getLogger(__name__)
 
-_JOB_ID = re.compile(r"^\d{8}T\d{6}-[0-9a-f]{6}$")  # jobs.new_job_id()
+_JOB_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")  # jobs.new_job_id()
 
 
 class TriggerManager(Protocol):
@@ -535,7 +535,7 @@ class DaemonService:
         """At start no job runs, so every job's directory under staging is a leftover. Only
         entries named like a job id are touched: a configured ``staging_dir`` may be shared."""
         for entry in self.staging_root.iterdir():
-            if not _JOB_ID.match(entry.name):
+            if not _JOB_ID.fullmatch(entry.name):
                 continue
             log.info("removing leftover staging %s", entry)
             if entry.is_dir() and not entry.is_symlink():

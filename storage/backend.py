@@ -47,6 +47,9 @@ class BackendOptions:
     retry_base_delay: float = 0.2
     retry_max_delay: float = 10.0
     retry_deadline: float | None = None  # seconds for one call, all attempts together
+    # Whether opening a store that does not exist yet creates it (a directory store; S3
+    # buckets are never created). Readers pass False: a mistyped path is ``NotFound``.
+    create: bool = True
 
 
 @runtime_checkable
@@ -204,6 +207,15 @@ def validate_key(key: str) -> str:
     if key.endswith("/"):
         raise InvalidArgument(f"invalid store key {key!r}: ends with '/'")
     return key
+
+
+def is_valid_key(key: str) -> bool:
+    """Whether ``validate_key`` accepts ``key``: a listing skips (and logs) any other name."""
+    try:
+        validate_key(key)
+    except InvalidArgument:
+        return False
+    return True
 
 
 def validate_prefix(prefix: str) -> str:

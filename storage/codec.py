@@ -25,6 +25,7 @@ import zstandard
 from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 
+from gpusnap.storage.chunker import MAX_SIZE
 from gpusnap.storage.errors import Corrupt, FailedPrecondition
 from gpusnap.storage.keys import NONCE_BYTES, EncryptionKeys
 
@@ -39,6 +40,8 @@ ZSTD_LEVEL = 1
 # Compression must save at least this fraction of the bytes, or the chunk is stored raw:
 # decompressing a frame that saves almost nothing costs restore time for no wire time.
 MIN_SAVING = 0.03
+# No chunk is larger than the chunker's maximum; a size above it is refused unread.
+MAX_CHUNK_BYTES = MAX_SIZE
 
 
 @dataclass(frozen=True)
@@ -96,16 +99,29 @@ class ChunkCodec:
         header = _HEADER.pack(MAGIC, VERSION, flags, 0, raw_len)
         return EncodedChunk(b"".join((header, body)), bool(flags & FLAG_COMPRESSED))
 
-    def decode(self, chunk_id: str, obj: bytes) -> bytes | memoryview:
+    def decode(self, chunk_id: str, obj: bytes, size: int) -> bytes | memoryview:
         """The verified content of a chunk object; ``Corrupt`` naming the chunk otherwise.
 
-        A raw chunk comes back as a view into ``obj`` (no copy).
+        ``size`` is the chunk's size as the (authenticated) manifest declares it. The object's
+        header is not authenticated (without encryption), so it is checked against ``size``
+        and ``MAX_CHUNK_BYTES`` before anything is allocated or decompressed: a planted object
+        cannot make a reader allocate more than the manifest promised. A raw chunk comes back
+        as a view into ``obj`` (no copy).
         """
+        if size < 0 or size > MAX_CHUNK_BYTES:
+            raise Corrupt(
+                f"chunk {chunk_id} is declared with {size} bytes, more than any chunk "
+                f"({MAX_CHUNK_BYTES})"
+            )
         if len(obj) < HEADER_SIZE:
             raise Corrupt(f"chunk {chunk_id} is truncated ({len(obj)} bytes)")
         magic, version, flags, _reserved, raw_len = _HEADER.unpack_from(obj)
         if magic != MAGIC or version != VERSION or flags & ~_KNOWN_FLAGS:
             raise Corrupt(f"chunk {chunk_id} has an unknown header")
+        if raw_len != size:
+            raise Corrupt(
+                f"chunk {chunk_id}: its header says {raw_len} bytes, the manifest says {size}"
+            )
         view = memoryview(obj)[HEADER_SIZE:]
         body: bytes | memoryview = view
         if flags & FLAG_ENCRYPTED:
@@ -121,15 +137,27 @@ class ChunkCodec:
                 raise Corrupt(f"chunk {chunk_id} failed authentication (altered?)") from exc
         content: bytes | memoryview = body
         if flags & FLAG_COMPRESSED:
-            try:
-                content = self._decompressor().decompress(body, max_output_size=raw_len)
-            except zstandard.ZstdError as exc:
-                raise Corrupt(f"chunk {chunk_id} does not decompress") from exc
+            content = self._decompress(chunk_id, body, raw_len)
         if len(content) != raw_len:
             raise Corrupt(f"chunk {chunk_id} has {len(content)} bytes, header says {raw_len}")
         if self.chunk_id(content) != chunk_id:
             raise Corrupt(f"chunk {chunk_id} does not match its hash")
         return content
+
+    def _decompress(self, chunk_id: str, body: bytes | memoryview, raw_len: int) -> bytes:
+        # A frame that records its content size is decompressed into a buffer of that size
+        # whatever ``max_output_size`` says: check the size before zstd allocates it.
+        try:
+            declared = zstandard.frame_content_size(body)
+            if declared not in (-1, raw_len):
+                raise Corrupt(
+                    f"chunk {chunk_id}: its zstd frame says {declared} bytes, "
+                    f"the manifest says {raw_len}"
+                )
+            out: bytes = self._decompressor().decompress(body, max_output_size=raw_len)
+        except (zstandard.ZstdError, MemoryError) as exc:
+            raise Corrupt(f"chunk {chunk_id} does not decompress") from exc
+        return out
 
 
 def _aad(header: bytes, chunk_id: str) -> bytes:

@@ -27,13 +27,14 @@ import logging
 import os
 import secrets
 import stat as stat_mod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote, urlsplit
 
 from gpusnap.storage.backend import (
     BackendOptions,
     ObjectInfo,
+    is_valid_key,
     register_backend,
     validate_key,
     validate_prefix,
@@ -59,10 +60,14 @@ _READ_BLOCK = 1 << 30  # pread() returns at most ~2 GiB per call on Linux
 class FileBackend:
     """A store in a local directory. Use ``open_backend("file:///path")`` rather than this."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, create: bool = True) -> None:
         if not os.path.isabs(root):
             raise InvalidArgument(f"file store path {root!r} is not absolute")
         root = os.path.normpath(root)
+        if os.path.lexists(root) and not os.path.isdir(root):
+            raise FailedPrecondition(f"store path {root} exists and is not a directory")
+        if not create and not os.path.lexists(root):
+            raise NotFound(f"no store at {root} (nothing has been pushed there)")
         try:
             os.makedirs(root, mode=DIR_MODE, exist_ok=True)
         except OSError as exc:
@@ -77,26 +82,29 @@ class FileBackend:
     # -- the Backend protocol -------------------------------------------------------------
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        path = self._path(key)
-        parent = os.path.dirname(path)
+        directory, name = self._split(key)
         try:
-            self._make_dirs(parent, key)
-            if if_absent and os.path.isdir(path):
-                raise FailedPrecondition(f"store key {key!r} names a directory in {self.root}")
-            tmp = self._write_temp(parent, data, durable=True)
+            dfd = self._open_dir(directory, key, create=True)
+            assert dfd is not None
             try:
-                if if_absent:
-                    try:
-                        os.link(tmp, path)
-                    except FileExistsError:
-                        raise AlreadyExists(
-                            f"object {key!r} already exists in {self.url}"
-                        ) from None
-                else:
-                    os.replace(tmp, path)
+                if if_absent and _is_dir_at(dfd, name):
+                    raise FailedPrecondition(f"store key {key!r} names a directory in {self.root}")
+                tmp = _write_temp(dfd, data, durable=True)
+                try:
+                    if if_absent:
+                        try:
+                            os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        except FileExistsError:
+                            raise AlreadyExists(
+                                f"object {key!r} already exists in {self.url}"
+                            ) from None
+                    else:
+                        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                finally:
+                    _unlink_quietly(dfd, tmp)
+                os.fsync(dfd)
             finally:
-                _unlink_quietly(tmp)
-            _fsync_dir(parent)
+                os.close(dfd)
         except OSError as exc:
             raise self._translate(exc, "put", key) from exc
 
@@ -104,15 +112,18 @@ class FileBackend:
 
     def put_unsynced(self, key: str, data: bytes) -> None:
         """Like ``put`` (atomic rename into place) but durable only after ``sync``."""
-        path = self._path(key)
-        parent = os.path.dirname(path)
+        directory, name = self._split(key)
         try:
-            self._make_dirs(parent, key)
-            tmp = self._write_temp(parent, data, durable=False)
+            dfd = self._open_dir(directory, key, create=True)
+            assert dfd is not None
             try:
-                os.replace(tmp, path)
+                tmp = _write_temp(dfd, data, durable=False)
+                try:
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                finally:
+                    _unlink_quietly(dfd, tmp)
             finally:
-                _unlink_quietly(tmp)
+                os.close(dfd)
         except OSError as exc:
             raise self._translate(exc, "put", key) from exc
 
@@ -132,23 +143,28 @@ class FileBackend:
                 finally:
                     os.close(fd)
                 return
-            paths = sorted({self._path(key) for key in keys})
-            if not paths:
+            split = sorted({self._split(key) for key in keys})
+            if not split:
                 return
-            with ThreadPoolExecutor(min(_SYNC_THREADS, len(paths))) as pool:
-                found = pool.map(_fsync_file, paths)
-                present = [p for p, there in zip(paths, found, strict=True) if there]
-                directories = sorted({os.path.dirname(path) for path in present})
-                list(pool.map(_fsync_dir, directories))
+            with ThreadPoolExecutor(min(_SYNC_THREADS, len(split))) as pool:
+                found = pool.map(self._fsync_object, split)
+                present = [d for (d, _n), there in zip(split, found, strict=True) if there]
+                list(pool.map(self._fsync_directory, sorted(set(present))))
         except OSError as exc:
             raise self._translate(exc, "sync", ".") from exc
 
     def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
         if offset < 0 or (length is not None and length < 0):
             raise InvalidArgument(f"invalid range for {key!r}: offset {offset}, length {length}")
-        path = self._path(key)
+        directory, name = self._split(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            dfd = self._open_dir(directory, key, create=False)
+            if dfd is None:
+                raise NotFound(f"no object {key!r} in {self.url}")
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+            finally:
+                os.close(dfd)
         except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"no object {key!r} in {self.url}") from None
         except OSError as exc:
@@ -173,9 +189,15 @@ class FileBackend:
             os.close(fd)
 
     def stat(self, key: str) -> ObjectInfo | None:
-        path = self._path(key)
+        directory, name = self._split(key)
         try:
-            st = os.stat(path, follow_symlinks=False)
+            dfd = self._open_dir(directory, key, create=False)
+            if dfd is None:
+                return None
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            finally:
+                os.close(dfd)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
@@ -190,17 +212,26 @@ class FileBackend:
             dir_key, name_start = prefix.rstrip("/"), ""
         else:
             dir_key, _, name_start = prefix.rpartition("/")
-        start = os.path.join(self.root, *dir_key.split("/")) if dir_key else self.root
+        segments = dir_key.split("/") if dir_key else []
         key_prefix = f"{dir_key}/" if dir_key else ""
         try:
-            yield from self._walk(start, key_prefix, name_start)
+            dfd = self._open_dir(segments, prefix, create=False)
+            if dfd is None:
+                return
+            yield from self._walk(dfd, key_prefix, name_start)
         except OSError as exc:
             raise self._translate(exc, "list", prefix) from exc
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        directory, name = self._split(key)
         try:
-            os.unlink(path)
+            dfd = self._open_dir(directory, key, create=False)
+            if dfd is None:
+                return
+            try:
+                os.unlink(name, dir_fd=dfd)
+            finally:
+                os.close(dfd)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return
         except OSError as exc:
@@ -211,77 +242,140 @@ class FileBackend:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
+    def _split(self, key: str) -> tuple[tuple[str, ...], str]:
+        """``(directory segments, file name)`` of a key, after validating it."""
         validate_key(key)
         segments = key.split("/")
         if any(s.startswith(TEMP_PREFIX) for s in segments):
             raise InvalidArgument(f"invalid store key {key!r}: names a temp file")
-        return os.path.join(self.root, *segments)
+        return tuple(segments[:-1]), segments[-1]
 
-    def _make_dirs(self, parent: str, key: str) -> None:
-        if os.path.isdir(parent):
-            return
-        rel = os.path.relpath(parent, self.root)
-        current = self.root
-        for segment in rel.split(os.sep):
-            below = os.path.join(current, segment)
-            try:
-                os.mkdir(below, DIR_MODE)
-            except FileExistsError:
-                if not os.path.isdir(below):
-                    raise FailedPrecondition(
-                        f"store key {key!r} lies under an existing object in {self.url}"
-                    ) from None
-            else:
-                _fsync_dir(current)
-            current = below
+    def _open_dir(self, segments: Sequence[str], key: str, *, create: bool) -> int | None:
+        """An fd of the directory ``root/segments``, reached without following a symlink.
 
-    def _write_temp(self, directory: str, data: bytes, *, durable: bool) -> str:
-        tmp = os.path.join(directory, TEMP_PREFIX + secrets.token_hex(8))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        Each component is opened relative to the one before with ``O_NOFOLLOW``, so a
+        symlink planted in the store (``chunks`` -> ``/etc``) can never redirect a write, a
+        read or a delete out of the root; it is refused, named. With ``create`` missing
+        directories are made (mode 0700, their parent fsynced); without it ``None`` means
+        one is missing. The root itself may be a symlink: the operator chose it.
+        """
+        fd = os.open(self.root, _DIR_FLAGS)
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            if durable:
-                os.fsync(fd)
-            else:
-                _start_writeback(fd)
+            for depth, segment in enumerate(segments):
+                try:
+                    below = self._open_below(fd, segment, create=create)
+                except FileNotFoundError:
+                    if not create:
+                        os.close(fd)
+                        return None
+                    raise
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP or _is_symlink_at(fd, segment):
+                        where = os.path.join(self.root, *segments[: depth + 1])
+                        raise FailedPrecondition(
+                            f"store {self.root}: {where} is a symbolic link, which a store "
+                            "never holds; refusing to follow it (remove it)"
+                        ) from None
+                    if exc.errno == errno.ENOTDIR:
+                        if not create:
+                            os.close(fd)
+                            return None
+                        raise FailedPrecondition(
+                            f"store key {key!r} lies under an existing object in {self.url}"
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = below
         except BaseException:
             os.close(fd)
-            _unlink_quietly(tmp)
             raise
-        os.close(fd)
-        return tmp
+        return fd
 
-    def _walk(self, directory: str, key_prefix: str, name_start: str) -> Iterator[ObjectInfo]:
+    @staticmethod
+    def _open_below(fd: int, segment: str, *, create: bool) -> int:
         try:
-            with os.scandir(directory) as it:
+            return os.open(segment, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        try:
+            os.mkdir(segment, DIR_MODE, dir_fd=fd)
+        except FileExistsError:
+            pass  # made by a concurrent put, or not a directory: the open says which
+        else:
+            os.fsync(fd)
+        return os.open(segment, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+
+    def _fsync_object(self, where: tuple[tuple[str, ...], str]) -> bool:
+        """fsync one object; ``False`` when it is gone (a gc removed it: gc's protocol
+        covers it)."""
+        directory, name = where
+        dfd = self._open_dir(directory, name, create=False)
+        if dfd is None:
+            return False
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+        except (FileNotFoundError, NotADirectoryError):
+            log.debug("sync: %s is gone", "/".join((*directory, name)))
+            return False
+        finally:
+            os.close(dfd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def _fsync_directory(self, directory: tuple[str, ...]) -> None:
+        dfd = self._open_dir(directory, "/".join(directory), create=False)
+        if dfd is None:
+            return
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _walk(self, dfd: int, key_prefix: str, name_start: str) -> Iterator[ObjectInfo]:
+        """Objects under the directory ``dfd`` (which this closes), in key order.
+
+        Nothing is followed: symlinks, sockets and other non-files are not objects, and a
+        name that is not a valid key (a newline, a backslash) is skipped with a warning, so
+        that one stray file cannot make every listing fail.
+        """
+        try:
+            with os.scandir(dfd) as it:
                 entries = [
                     e
                     for e in it
                     if e.name.startswith(name_start) and not e.name.startswith(TEMP_PREFIX)
                 ]
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        # Sorting directories as "name/" makes the walk yield keys in exact string order.
-        ordered: list[tuple[str, os.DirEntry[str], bool]] = []
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                ordered.append((entry.name + "/", entry, True))
-            elif entry.is_file(follow_symlinks=False):
-                ordered.append((entry.name, entry, False))
-        ordered.sort(key=lambda item: item[0])
-        for _, entry, is_dir in ordered:
-            if is_dir:
-                yield from self._walk(entry.path, f"{key_prefix}{entry.name}/", "")
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:  # deleted while we listed
-                continue
-            yield ObjectInfo(key=key_prefix + entry.name, size=st.st_size, mtime=st.st_mtime)
+            # Sorting directories as "name/" makes the walk yield keys in exact string order.
+            ordered: list[tuple[str, os.DirEntry[str], bool]] = []
+            for entry in entries:
+                if not is_valid_key(key_prefix + entry.name):
+                    log.warning(
+                        "store %s: ignoring %r, not a valid store key", self.root, entry.name
+                    )
+                elif entry.is_dir(follow_symlinks=False):
+                    ordered.append((entry.name + "/", entry, True))
+                elif entry.is_file(follow_symlinks=False):
+                    ordered.append((entry.name, entry, False))
+            ordered.sort(key=lambda item: item[0])
+            for _, entry, is_dir in ordered:
+                if is_dir:
+                    try:
+                        below = os.open(entry.name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dfd)
+                    except (FileNotFoundError, NotADirectoryError):
+                        continue  # removed, or replaced by a symlink, while we listed
+                    yield from self._walk(below, f"{key_prefix}{entry.name}/", "")
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # deleted while we listed
+                    continue
+                yield ObjectInfo(key=key_prefix + entry.name, size=st.st_size, mtime=st.st_mtime)
+        finally:
+            os.close(dfd)
 
     def _translate(self, exc: OSError, op: str, key: str) -> GpusnapError:
         reason = exc.strerror or str(exc)
@@ -304,26 +398,43 @@ class FileBackend:
         return Internal(f"store {self.root}: cannot {op} {key!r}: {reason}")
 
 
-def _fsync_file(path: str) -> bool:
-    """fsync ``path``; ``False`` when it is gone (a gc removed it: gc's protocol covers it)."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _is_symlink_at(dfd: int, name: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except (FileNotFoundError, NotADirectoryError):
-        log.debug("sync: %s is gone", path)
+        return stat_mod.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+    except OSError:
         return False
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return True
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _is_dir_at(dfd: int, name: str) -> bool:
     try:
-        os.fsync(fd)
-    finally:
+        return stat_mod.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _write_temp(dfd: int, data: bytes, *, durable: bool) -> str:
+    """A new temp file in the directory ``dfd`` holding ``data``; returns its name."""
+    tmp = TEMP_PREFIX + secrets.token_hex(8)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, FILE_MODE, dir_fd=dfd)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        if durable:
+            os.fsync(fd)
+        else:
+            _start_writeback(fd)
+    except BaseException:
         os.close(fd)
+        _unlink_quietly(dfd, tmp)
+        raise
+    os.close(fd)
+    return tmp
 
 
 @functools.cache
@@ -362,18 +473,17 @@ def _syncfs(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(dfd: int, name: str) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dfd)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("could not remove temp file %s: %s", path, exc)
+        log.warning("could not remove temp file %s: %s", name, exc)
 
 
 def open_file_backend(url: str, options: BackendOptions) -> FileBackend:
     """Factory for ``file:///abs/path`` (``file://localhost/abs/path`` is accepted too)."""
-    del options  # nothing in BackendOptions applies to a directory
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise InvalidArgument(
@@ -386,7 +496,7 @@ def open_file_backend(url: str, options: BackendOptions) -> FileBackend:
         raise InvalidArgument(f"store URL {url!r} needs an absolute path: file:///path")
     if "\x00" in path:
         raise InvalidArgument(f"store URL {url!r} contains a NUL byte")
-    return FileBackend(path)
+    return FileBackend(path, create=options.create)
 
 
 register_backend("file", open_file_backend)

@@ -217,7 +217,16 @@ def collect(
             },
             host.lock_refresh_seconds,
         )
-        holder.start()
+        try:
+            holder.start()
+        except FailedPrecondition as exc:
+            # Without its record a gc could delete chunks a concurrent push is about to
+            # name, so it does not run; say how to get out of a full store.
+            raise FailedPrecondition(
+                f"gc cannot record itself in the store ({exc}); if the store is full, free "
+                "a little space beside it (or delete old manifests under manifests/) and "
+                "run gc again; `gc --dry-run` shows what it would delete"
+            ) from exc
     try:
         _gc_locks(host, report, dry_run)
         if keep_last is not None:
@@ -277,7 +286,14 @@ def _gc_sweep(host: GcHost, report: GcReport, grace_seconds: float, dry_run: boo
     pretend_deleted = set(report.manifests_deleted) if dry_run else set()
     for info in host.backend.list(MANIFEST_PREFIX):
         parts = split_manifest_key(info.key)
-        if parts is None or parts[1] in deleted_manifests or parts[1] in pretend_deleted:
+        if parts is None:
+            # Not a manifest: no reader ever opens it, so it keeps no chunk alive.
+            report.problems.append(
+                f"stray object {info.key!r} under {MANIFEST_PREFIX} is not a manifest "
+                "(ignored; remove it)"
+            )
+            continue
+        if parts[1] in deleted_manifests or parts[1] in pretend_deleted:
             continue
         try:
             # Authenticity does not matter for marking: keeping more is always safe.

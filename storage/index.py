@@ -88,6 +88,10 @@ class ChunkIndex:
                 )
         except sqlite3.Error as exc:
             raise FailedPrecondition(f"cannot open chunk index {path}: {exc}") from exc
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cannot create the chunk index directory {path.parent}: {exc.strerror or exc}"
+            ) from exc
 
     def _meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()

@@ -118,6 +118,11 @@ class SigningKey:
 def load_signing_key(path: Path) -> SigningKey:
     """Read a PEM Ed25519 private key, or a PEM public key (verify-only)."""
     data = _read_key_file(path, "signing key")
+    if b"ENCRYPTED PRIVATE KEY" in data or b"Proc-Type: 4,ENCRYPTED" in data:
+        raise InvalidArgument(
+            f"signing key file {path} is passphrase-protected, which is not supported; "
+            "use an unencrypted key file readable only by its owner (mode 0600)"
+        )
     if b"PRIVATE KEY" in data:
         try:
             private = serialization.load_pem_private_key(data, password=None)

@@ -25,9 +25,10 @@ from gpusnap.storage.errors import Corrupt, InvalidArgument
 SCHEMA_VERSION = 1
 ENVELOPE_FORMAT = "gpusnap.manifest/1"
 
-_CHECKPOINT_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{10}$")
-_WORKLOAD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_CHUNK_ID = re.compile(r"^[0-9a-f]{64}$")
+# Always used with ``fullmatch``: ``$`` would also match before a trailing newline.
+_CHECKPOINT_ID = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{10}")
+_WORKLOAD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 MAX_PATH_BYTES = 4096
 
 
@@ -38,11 +39,11 @@ def new_checkpoint_id(now: float | None = None) -> str:
 
 
 def is_checkpoint_id(value: str) -> bool:
-    return bool(_CHECKPOINT_ID.match(value))
+    return bool(_CHECKPOINT_ID.fullmatch(value))
 
 
 def check_checkpoint_id(value: str) -> str:
-    if not isinstance(value, str) or not _CHECKPOINT_ID.match(value):
+    if not isinstance(value, str) or not _CHECKPOINT_ID.fullmatch(value):
         raise InvalidArgument(
             f"not a checkpoint id: {value!r} (expected YYYYMMDDTHHMMSSZ-<10 hex>)"
         )
@@ -50,15 +51,19 @@ def check_checkpoint_id(value: str) -> str:
 
 
 def check_workload(value: str) -> str:
-    if not isinstance(value, str) or not _WORKLOAD.match(value):
+    if not isinstance(value, str) or not _WORKLOAD.fullmatch(value):
         raise InvalidArgument(
             f"not a workload name: {value!r} (letters, digits, '.', '_', '-'; at most 128)"
         )
     return value
 
 
+def is_workload(value: str) -> bool:
+    return isinstance(value, str) and bool(_WORKLOAD.fullmatch(value))
+
+
 def is_chunk_id(value: str) -> bool:
-    return bool(_CHUNK_ID.match(value))
+    return bool(_CHUNK_ID.fullmatch(value))
 
 
 def check_relative_path(path: str) -> str:
@@ -187,6 +192,9 @@ def _parse(data: Any) -> Manifest:
         raise Corrupt("manifest field created_at is not a number")
     files: list[FileEntry] = []
     seen: set[str] = set()
+    # A chunk is named by its content, so it has one size; two would let a reader fill a
+    # file with the wrong bytes (or zero padding) and still pass every hash check.
+    chunk_sizes: dict[str, int] = {}
     for item in data["files"]:
         raw = _dict(item, "files[]")
         path = check_relative_path(raw["path"])
@@ -200,7 +208,13 @@ def _parse(data: Any) -> Manifest:
             chunk_id, chunk_size = pair
             if not isinstance(chunk_id, str) or not is_chunk_id(chunk_id):
                 raise Corrupt(f"manifest names an invalid chunk id {chunk_id!r}")
-            chunks.append(ChunkRef(chunk_id, _int(chunk_size, "chunk size")))
+            chunk_size = _int(chunk_size, "chunk size")
+            if chunk_sizes.setdefault(chunk_id, chunk_size) != chunk_size:
+                raise Corrupt(
+                    f"manifest declares chunk {chunk_id} with two sizes "
+                    f"({chunk_sizes[chunk_id]} and {chunk_size})"
+                )
+            chunks.append(ChunkRef(chunk_id, chunk_size))
         if sum(c.size for c in chunks) != size:
             raise Corrupt(f"manifest chunk sizes of {path!r} do not add up to its size")
         files.append(FileEntry(path, size, mode, chunks))
@@ -260,6 +274,7 @@ def split_manifest_key(key: str) -> tuple[str, str] | None:
     """``(workload, checkpoint id)`` of a manifest key; ``None`` for any other key."""
     rest = key.removeprefix(MANIFEST_PREFIX)
     workload, _, checkpoint_id = rest.partition("/")
-    if key == rest or not workload or not is_checkpoint_id(checkpoint_id):
+    # A workload name never contains '/', '.' alone or '..': anything else is not ours.
+    if key == rest or not is_workload(workload) or not is_checkpoint_id(checkpoint_id):
         return None
     return workload, checkpoint_id

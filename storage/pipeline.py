@@ -11,6 +11,7 @@ back into user code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -29,6 +30,7 @@ from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.errors import (
     AlreadyExists,
     Corrupt,
+    FailedPrecondition,
     GpusnapError,
     Internal,
     InvalidArgument,
@@ -91,12 +93,37 @@ class PushStats:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+# What an OSError says about the arguments given (a file where a directory should be, a
+# name too long); any other errno is about the machine (a full or read-only disk), not usage.
+_BAD_ARGUMENT_ERRNOS = frozenset(
+    {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+)
+
+
 def _translate(exc: BaseException, what: str) -> GpusnapError:
     if isinstance(exc, GpusnapError):
         return exc
     if isinstance(exc, OSError):
-        return InvalidArgument(f"{what}: {exc.strerror or exc}")
+        reason = exc.strerror or str(exc)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return FailedPrecondition(f"{what}: disk full ({reason})")
+        if exc.errno in _BAD_ARGUMENT_ERRNOS:
+            return InvalidArgument(f"{what}: {reason}")
+        return FailedPrecondition(f"{what}: {reason}")
+    if isinstance(exc, MemoryError):
+        return Internal(f"{what}: out of memory")
     return Internal(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _dest_error(exc: BaseException, dest: Path) -> GpusnapError:
+    """An error of a pull, said about the destination when it is the destination's."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return FailedPrecondition(
+            f"destination disk full: cannot write into {dest} ({exc.strerror or exc})"
+        )
+    if isinstance(exc, OSError):
+        return _translate(exc, f"cannot write into {dest}")
+    return _translate(exc, f"pulling into {dest}")
 
 
 class _Run:
@@ -466,11 +493,6 @@ def _check_inside(directory: Path, dest: Path, path: str) -> None:
         raise Corrupt(f"{path!r} would land outside the destination")
 
 
-def _check_size(chunk_id: str, content: bytes | memoryview, size: int) -> None:
-    if len(content) != size:
-        raise Corrupt(f"chunk {chunk_id} has {len(content)} bytes, the manifest says {size}")
-
-
 def _interleaved(files: list[FileEntry]) -> list[str]:
     """Distinct chunk ids, taking one chunk of each file in turn.
 
@@ -558,8 +580,8 @@ def pull_files(
                 if run.abort.is_set():
                     return
                 obj = backend.get(chunk_key(chunk_id))
-                content = codec.decode(chunk_id, obj)  # verified before any byte is used
-                _check_size(chunk_id, content, size)
+                # Verified (size, then hash) before any byte is used.
+                content = codec.decode(chunk_id, obj, size)
                 # Every temp file starts as a hole of its full size (ftruncate), which reads
                 # as zeros: a zero chunk (a KV pool's empty blocks) needs no write at all.
                 if not _is_zeros(obj, content):
@@ -571,7 +593,7 @@ def pull_files(
             except NotFound as exc:
                 run.fail(Corrupt(f"chunk {chunk_id} is missing from the store ({exc})"))
             except BaseException as exc:
-                run.fail(_translate(exc, f"restoring chunk {chunk_id}"))
+                run.fail(_dest_error(exc, dest))
             finally:
                 budget.release(size)
 
@@ -602,7 +624,7 @@ def pull_files(
         run.abort.set()
         layout.undo()
         if isinstance(exc, OSError):
-            raise InvalidArgument(f"cannot write into {dest}: {exc.strerror}") from exc
+            raise _dest_error(exc, dest) from exc
         raise
     return stats
 
@@ -627,9 +649,7 @@ def read_entry(
             obj = backend.get(chunk_key(chunk_id))
         except NotFound as exc:
             raise Corrupt(f"chunk {chunk_id} is missing from the store ({exc})") from None
-        content = codec.decode(chunk_id, obj)
-        _check_size(chunk_id, content, size)
-        return content
+        return codec.decode(chunk_id, obj, size)
 
     window: list[tuple[int, int, Future[bytes | memoryview]]] = []
     in_flight = 0

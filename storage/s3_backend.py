@@ -32,6 +32,7 @@ from botocore.config import Config
 from gpusnap.storage.backend import (
     BackendOptions,
     ObjectInfo,
+    is_valid_key,
     register_backend,
     validate_key,
     validate_prefix,
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's floor for every part but the last
 MAX_PARTS = 10_000
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
 _DENIED_CODES = {
     "AccessDenied",
@@ -98,7 +99,7 @@ class S3Backend:
     """A store in an S3 bucket. Use ``open_backend("s3://bucket/prefix")`` rather than this."""
 
     def __init__(self, bucket: str, prefix: str, options: BackendOptions) -> None:
-        if not _BUCKET_RE.match(bucket):
+        if not _BUCKET_RE.fullmatch(bucket):
             raise InvalidArgument(f"invalid S3 bucket name {bucket!r}")
         if prefix:
             validate_prefix(prefix)
@@ -188,8 +189,15 @@ class S3Backend:
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
                 for obj in page.get("Contents", ()):
+                    key = str(obj["Key"])
+                    # Anyone with write access to the bucket may plant "p/manifests/../x" or
+                    # a name with a newline: skip what no key of ours can be, rather than
+                    # letting one such object make every later get/delete fail.
+                    if not key.startswith(base) or not is_valid_key(key[len(base) :]):
+                        log.warning("%s: ignoring object %r, not a valid store key", self.url, key)
+                        continue
                     yield ObjectInfo(
-                        key=obj["Key"][len(base) :],
+                        key=key[len(base) :],
                         size=int(obj["Size"]),
                         mtime=obj["LastModified"].timestamp(),
                     )
@@ -341,7 +349,13 @@ def open_s3_backend(url: str, options: BackendOptions) -> S3Backend:
             f"store URL {url!r}: put no credentials or port in the URL; use the AWS credential "
             "chain and the endpoint URL option"
         )
-    return S3Backend(parts.netloc, unquote(parts.path).strip("/"), options)
+    # "s3://bucket//x" or "s3://bucket/a/../b" would name keys no other tool agrees on.
+    prefix = unquote(parts.path).removeprefix("/").removesuffix("/")
+    if prefix and any(seg in ("", ".", "..") for seg in prefix.split("/")):
+        raise InvalidArgument(
+            f"store URL {url!r} has an invalid prefix: an empty, '.' or '..' segment"
+        )
+    return S3Backend(parts.netloc, prefix, options)
 
 
 register_backend("s3", open_s3_backend)

@@ -136,16 +136,22 @@ class VerifyReport:
     chunks_missing: list[str] = field(default_factory=list)
     chunks_corrupt: list[str] = field(default_factory=list)
     manifests_bad: list[str] = field(default_factory=list)
+    # Objects under manifests/ that are not manifest keys (ignored by every reader).
+    strays: list[str] = field(default_factory=list)
     read_data: bool = False
 
     @property
     def ok(self) -> bool:
-        return not (self.chunks_missing or self.chunks_corrupt or self.manifests_bad)
+        return not (self.chunks_missing or self.chunks_corrupt or self.manifests_bad or self.strays)
 
     @property
     def problems(self) -> list[str]:
         return (
             [f"manifest {m}" for m in self.manifests_bad]
+            + [
+                f"stray object {k!r} under {MANIFEST_PREFIX} (not a manifest; ignored)"
+                for k in self.strays
+            ]
             + [f"missing chunk {c}" for c in self.chunks_missing]
             + [f"corrupt chunk {c}" for c in self.chunks_corrupt]
         )
@@ -507,19 +513,34 @@ class CheckpointStore:
 
     def list(self, workload: str | None = None) -> builtins.list[ManifestSummary]:
         """Checkpoints, newest first. Manifests that fail their checks are left out (logged)."""
+        return self.list_checked(workload)[0]
+
+    def list_checked(
+        self, workload: str | None = None
+    ) -> tuple[builtins.list[ManifestSummary], builtins.list[tuple[str, GpusnapError]]]:
+        """Like ``list``, and also the manifests left out, with why (key, error).
+
+        A manifest that cannot be authenticated (no key, the wrong key, altered) is left out
+        of the list; a caller showing the list to a person should say so, or a wrong key
+        looks like an empty store.
+        """
         prefix = (
             MANIFEST_PREFIX if workload is None else f"{MANIFEST_PREFIX}{check_workload(workload)}/"
         )
         out: builtins.list[ManifestSummary] = []
+        skipped: builtins.list[tuple[str, GpusnapError]] = []
         for info in self.backend.list(prefix):
             if split_manifest_key(info.key) is None:
+                log.warning("skipping %r: not a manifest key", info.key)
                 continue
             try:
                 out.append(ManifestSummary.of(self._read_manifest(info.key)))
             except (Corrupt, NotFound, FailedPrecondition) as exc:
+                if not isinstance(exc, NotFound):  # deleted while we listed: not a problem
+                    skipped.append((info.key, exc))
                 log.warning("skipping %s: %s", info.key, exc)
         out.sort(key=lambda s: (s.created_at, s.checkpoint_id), reverse=True)
-        return out
+        return out, skipped
 
     def latest(self, workload: str) -> ManifestSummary | None:
         found = self.list(workload)
@@ -594,10 +615,16 @@ class CheckpointStore:
         """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks."""
         report = VerifyReport(read_data=read_data)
         if ids is None:
-            keys = [i.key for i in self.backend.list(MANIFEST_PREFIX) if split_manifest_key(i.key)]
+            keys = []
+            for info in self.backend.list(MANIFEST_PREFIX):
+                if split_manifest_key(info.key) is None:
+                    report.strays.append(info.key)
+                else:
+                    keys.append(info.key)
         else:
             keys = [self._find_manifest_key(i) for i in ids]
         referenced: dict[str, str] = {}  # chunk id -> a checkpoint that uses it
+        sizes: dict[str, int] = {}  # chunk id -> its size, as the manifests declare it
         for key in keys:
             checkpoint_id = key.rpartition("/")[2]
             try:
@@ -606,8 +633,14 @@ class CheckpointStore:
                 report.manifests_bad.append(f"{checkpoint_id}: {exc}")
                 continue
             report.checkpoints.append(checkpoint_id)
-            for chunk_id in manifest.chunk_ids():
-                referenced.setdefault(chunk_id, checkpoint_id)
+            for entry in manifest.files:
+                for ref in entry.chunks:
+                    referenced.setdefault(ref.id, checkpoint_id)
+                    if sizes.setdefault(ref.id, ref.size) != ref.size:
+                        report.chunks_corrupt.append(
+                            f"{ref.id}: declared with {sizes[ref.id]} bytes by checkpoint "
+                            f"{referenced[ref.id]} and {ref.size} by {checkpoint_id}"
+                        )
         present = {
             cid for info in self.backend.list(CHUNK_PREFIX) if (cid := chunk_id_of_key(info.key))
         }
@@ -620,7 +653,8 @@ class CheckpointStore:
 
             def check(chunk_id: str) -> str | None:
                 try:
-                    self._codec.decode(chunk_id, self.backend.get(chunk_key(chunk_id)))
+                    obj = self.backend.get(chunk_key(chunk_id))
+                    self._codec.decode(chunk_id, obj, sizes[chunk_id])
                 except (Corrupt, NotFound) as exc:
                     return f"{chunk_id} (checkpoint {referenced[chunk_id]}): {exc}"
                 return None

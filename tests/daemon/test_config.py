@@ -80,6 +80,7 @@ def test_an_unknown_key_is_named_with_a_suggestion() -> None:
         ({"store": {"url": "bucket"}}, "is not a URL"),
         ({"daemon": {"max_jobs": 0}}, "key 'max_jobs': must be at least 1"),
         ({"workload": [{"name": "a b"}]}, "is not a workload name"),
+        ({"workload": [{"name": "llm\n"}]}, "is not a workload name"),
         ({"workload": [{"name": "a"}, {"name": "a"}]}, "used by another"),
         ({"workload": [{"name": "a", "engine": "guess"}]}, "key 'engine'"),
         ({"workload": [{"name": "a", "start": {"command": []}}]}, "key 'command'"),
