@@ -104,6 +104,13 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="tmpfs work dir (default /dev/shm/gpusnap-bench)")
     p.add_argument("--json-out", type=Path, help="also write the JSON result here")
     p.add_argument("--rounds", type=int, default=2, help="dumps and restores per side (best)")
+    p.add_argument(
+        "--criu-log-level",
+        type=int,
+        choices=range(5),
+        default=4,
+        help="gpusnapd's [daemon] criu_log_level (default 4, the daemon's default)",
+    )
     args = p.parse_args()
     if os.geteuid() != 0:
         print("e2e_bench: CRIU needs root", file=sys.stderr)
@@ -141,6 +148,7 @@ def main() -> int:
         cfg = work / "gpusnapd.toml"
         cfg.write_text(
             f'[daemon]\nsocket = "{sock}"\nstate_dir = "{work}/state"\n'
+            f"criu_log_level = {args.criu_log_level}\n"
             f'[store]\nurl = "file://{work}/store"\nkey_file = "{key}"\n[gpu]\ndriver = "none"\n'
         )
         with open(work / "gpusnapd.log", "wb") as log:
