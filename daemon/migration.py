@@ -277,6 +277,22 @@ class MigrationBoard:
         except TypeError as exc:
             raise Corrupt(f"migration record {key} has unexpected fields") from exc
 
+    def _write_or_read(self, key: str, kind: str, record: Any) -> Any | None:
+        """Write ``record`` once at ``key``. ``None`` when ours landed; else the valid record
+        already there. A record there that does not hold is not one of ours: it counts for
+        nothing and must not keep ours out (a claim would go stale and the workload be restored
+        twice), so it is replaced."""
+        try:
+            self._write(key, kind, record)
+        except AlreadyExists:
+            try:
+                return self._read_as(key, kind, type(record))
+            except Corrupt as exc:
+                log.warning("replacing migration record %s, which does not hold: %s", key, exc)
+                self.backend.delete(key)
+                self._write(key, kind, record)
+        return None
+
     # --- API ----------------------------------------------------------------------------------
 
     def publish(
@@ -298,19 +314,12 @@ class MigrationBoard:
             deadline,
             dict(stamp_summary or {}),
         )
-        key = f"{PREFIX}{checkpoint_id}/request"
-        try:
-            self._write(key, "request", req)
-        except AlreadyExists:
-            try:
-                existing: MigrationRequest = self._read_as(key, "request", MigrationRequest)
-            except Corrupt as exc:
-                log.warning("replacing migration record %s, which does not hold: %s", key, exc)
-                self.backend.delete(key)
-                self._write(key, "request", req)
-            else:
-                log.info("migration request for %s already published", checkpoint_id)
-                return existing
+        existing: MigrationRequest | None = self._write_or_read(
+            f"{PREFIX}{checkpoint_id}/request", "request", req
+        )
+        if existing is not None:
+            log.info("migration request for %s already published", checkpoint_id)
+            return existing
         log.warning("published migration request for %s (%s)", checkpoint_id, workload)
         return req
 
@@ -441,22 +450,12 @@ class MigrationBoard:
             job_id,
         )
         key = f"{PREFIX}{claim.checkpoint_id}/outcome"
-        try:
-            self._write(key, "outcome", outcome)
-        except AlreadyExists:
-            try:
-                held: MigrationOutcome = self._read_as(key, "outcome", MigrationOutcome)
-            except Corrupt as exc:
-                # Not a record of ours: it counts for nothing, and must not keep ours out
-                # (the claim would go stale and the workload be restored twice).
-                log.warning("replacing migration record %s, which does not hold: %s", key, exc)
-                self.backend.delete(key)
-                self._write(key, "outcome", outcome)
-                return outcome
-            if held.node_id == claim.node_id and held.attempt == claim.attempt:
-                return held  # a retried put whose first try landed
-            raise
-        return outcome
+        held: MigrationOutcome | None = self._write_or_read(key, "outcome", outcome)
+        if held is None:
+            return outcome
+        if held.node_id == claim.node_id and held.attempt == claim.attempt:
+            return held  # a retried put whose first try landed
+        raise AlreadyExists(f"migration record {key} was already written by {held.node_id}")
 
 
 def _claim_numbers(names: set[str]) -> list[int]:
