@@ -408,8 +408,15 @@ def run_restore(svc: DaemonService, ctx: JobContext, req: RestoreRequest) -> Non
     restore_log = svc.logs_dir / f"{ctx.job_id}-restore.log"
     try:
         ctx.phase(Phase.FETCH)
+        # Staging: CRIU reads these files the moment the pull ends and they are deleted
+        # after: through the page cache, and not synced.
         pulled = store.pull(
-            checkpoint_id, images, progress=ctx.progress, exclude_kinds=(GPU_MEMORY_KIND,)
+            checkpoint_id,
+            images,
+            progress=ctx.progress,
+            exclude_kinds=(GPU_MEMORY_KIND,),
+            direct=False,
+            durable=False,
         )
         ctx.phase(Phase.RESTORE_PROCESS)
         # From here the tree runs (or is being made to): a cancel could only orphan it.

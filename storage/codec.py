@@ -108,6 +108,48 @@ class ChunkCodec:
         cannot make a reader allocate more than the manifest promised. A raw chunk comes back
         as a view into ``obj`` (no copy).
         """
+        compressed, body = self._open(chunk_id, obj, size)
+        content: bytes | memoryview = body
+        if compressed:
+            content = self._decompress(chunk_id, body, size)
+        if len(content) != size:
+            raise Corrupt(f"chunk {chunk_id} has {len(content)} bytes, header says {size}")
+        if self.chunk_id(content) != chunk_id:
+            raise Corrupt(f"chunk {chunk_id} does not match its hash")
+        return content
+
+    def decode_into(self, chunk_id: str, obj: bytes, out: memoryview) -> None:
+        """Like ``decode``, into ``out`` (exactly the chunk's size): no buffer is allocated.
+
+        The pull path decompresses into reused, page-aligned buffers, which it can hand to
+        ``O_DIRECT`` writes; ``out`` holds verified content only when this returns.
+        """
+        size = len(out)
+        compressed, body = self._open(chunk_id, obj, size)
+        if not compressed:
+            if len(body) != size:
+                raise Corrupt(f"chunk {chunk_id} has {len(body)} bytes, header says {size}")
+            out[:] = body
+        else:
+            self._check_frame(chunk_id, body, size)
+            try:
+                reader = self._decompressor().stream_reader(body, read_size=len(body))
+                done = 0
+                while done < size:
+                    n = reader.readinto(out[done:])
+                    if n <= 0:
+                        break
+                    done += n
+                extra = reader.read(1)  # more content than declared (within this frame)
+            except (zstandard.ZstdError, MemoryError, ValueError) as exc:
+                raise Corrupt(f"chunk {chunk_id} does not decompress") from exc
+            if done != size or extra:
+                raise Corrupt(f"chunk {chunk_id} does not decompress to {size} bytes")
+        if self.chunk_id(out) != chunk_id:
+            raise Corrupt(f"chunk {chunk_id} does not match its hash")
+
+    def _open(self, chunk_id: str, obj: bytes, size: int) -> tuple[bool, bytes | memoryview]:
+        """Check a chunk object's header against ``size``; (compressed?, plain body)."""
         if size < 0 or size > MAX_CHUNK_BYTES:
             raise Corrupt(
                 f"chunk {chunk_id} is declared with {size} bytes, more than any chunk "
@@ -135,25 +177,24 @@ class ChunkCodec:
                 )
             except (InvalidTag, ValueError) as exc:
                 raise Corrupt(f"chunk {chunk_id} failed authentication (altered?)") from exc
-        content: bytes | memoryview = body
-        if flags & FLAG_COMPRESSED:
-            content = self._decompress(chunk_id, body, raw_len)
-        if len(content) != raw_len:
-            raise Corrupt(f"chunk {chunk_id} has {len(content)} bytes, header says {raw_len}")
-        if self.chunk_id(content) != chunk_id:
-            raise Corrupt(f"chunk {chunk_id} does not match its hash")
-        return content
+        return bool(flags & FLAG_COMPRESSED), body
 
-    def _decompress(self, chunk_id: str, body: bytes | memoryview, raw_len: int) -> bytes:
+    def _check_frame(self, chunk_id: str, body: bytes | memoryview, raw_len: int) -> None:
         # A frame that records its content size is decompressed into a buffer of that size
         # whatever ``max_output_size`` says: check the size before zstd allocates it.
         try:
             declared = zstandard.frame_content_size(body)
-            if declared not in (-1, raw_len):
-                raise Corrupt(
-                    f"chunk {chunk_id}: its zstd frame says {declared} bytes, "
-                    f"the manifest says {raw_len}"
-                )
+        except zstandard.ZstdError as exc:
+            raise Corrupt(f"chunk {chunk_id} does not decompress") from exc
+        if declared not in (-1, raw_len):
+            raise Corrupt(
+                f"chunk {chunk_id}: its zstd frame says {declared} bytes, "
+                f"the manifest says {raw_len}"
+            )
+
+    def _decompress(self, chunk_id: str, body: bytes | memoryview, raw_len: int) -> bytes:
+        self._check_frame(chunk_id, body, raw_len)
+        try:
             out: bytes = self._decompressor().decompress(body, max_output_size=raw_len)
         except (zstandard.ZstdError, MemoryError) as exc:
             raise Corrupt(f"chunk {chunk_id} does not decompress") from exc

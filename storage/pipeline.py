@@ -1,4 +1,6 @@
-"""The data paths: push (cut, hash, compress, upload) and pull (fetch, verify, write).
+"""The push data path (cut, hash, compress, upload), and reading one entry back in order.
+
+The pull path (fetch, verify, write files) is ``storage/pull.py``.
 
 Both run chunks through a thread pool; zstandard, blake3, AES-GCM and file/socket I/O release
 the GIL, so the stages overlap across cores. Memory is bounded by a byte budget on the chunks
@@ -12,11 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
-import os
 import queue
-import secrets
 import threading
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +27,6 @@ from gpusnap.storage.backend import Backend, put_deferred
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.errors import (
-    AlreadyExists,
     Corrupt,
     FailedPrecondition,
     GpusnapError,
@@ -37,13 +35,12 @@ from gpusnap.storage.errors import (
     NotFound,
 )
 from gpusnap.storage.index import ChunkIndex
-from gpusnap.storage.manifest import ChunkRef, FileEntry, Manifest
+from gpusnap.storage.manifest import ChunkRef, FileEntry
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
 CHUNK_PREFIX = "chunks/"
-_TMP_PREFIX = ".gpusnap-pull-"
 
 
 def chunk_key(chunk_id: str) -> str:
@@ -100,7 +97,7 @@ _BAD_ARGUMENT_ERRNOS = frozenset(
 )
 
 
-def _translate(exc: BaseException, what: str) -> GpusnapError:
+def translate_error(exc: BaseException, what: str) -> GpusnapError:
     if isinstance(exc, GpusnapError):
         return exc
     if isinstance(exc, OSError):
@@ -115,18 +112,7 @@ def _translate(exc: BaseException, what: str) -> GpusnapError:
     return Internal(f"{what}: {type(exc).__name__}: {exc}")
 
 
-def _dest_error(exc: BaseException, dest: Path) -> GpusnapError:
-    """An error of a pull, said about the destination when it is the destination's."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return FailedPrecondition(
-            f"destination disk full: cannot write into {dest} ({exc.strerror or exc})"
-        )
-    if isinstance(exc, OSError):
-        return _translate(exc, f"cannot write into {dest}")
-    return _translate(exc, f"pulling into {dest}")
-
-
-class _Run:
+class Run:
     """Shared state of one pipeline run: first error wins, everyone stops."""
 
     def __init__(self) -> None:
@@ -312,7 +298,7 @@ def push_inputs(
     """
     stats = PushStats(bytes_total=sum(f.size for f in inputs))
     budget = ByteBudget(budget_bytes)
-    run = _Run()
+    run = Run()
     seen: set[str] = set()  # dedup within this push, including chunks still uploading
     seen_lock = threading.Lock()
 
@@ -331,7 +317,7 @@ def push_inputs(
                 stats.chunks_uploaded += 1
                 stats.bytes_done += length
         except BaseException as exc:
-            run.fail(_translate(exc, f"uploading chunk {chunk_id}"))
+            run.fail(translate_error(exc, f"uploading chunk {chunk_id}"))
             raise
         finally:
             budget.release(length)
@@ -356,7 +342,7 @@ def push_inputs(
                     stats.bytes_done += length
             return ChunkRef(chunk_id, length)
         except BaseException as exc:
-            run.fail(_translate(exc, "preparing a chunk"))
+            run.fail(translate_error(exc, "preparing a chunk"))
             raise
         finally:
             view.release()
@@ -435,200 +421,6 @@ def push_inputs(
     return entries, stats
 
 
-@dataclass
-class PullStats:
-    bytes_total: int = 0
-    bytes_fetched: int = 0
-    bytes_done: int = 0
-    chunks_total: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _Layout:
-    """What a pull creates in ``dest``, so that a failure can remove exactly that."""
-
-    def __init__(self, dest: Path) -> None:
-        self.dest = dest
-        self.created_dirs: list[Path] = []
-        self.temps: dict[str, tuple[Path, int]] = {}  # manifest path -> (temp path, fd)
-        self.renamed: list[Path] = []
-
-    def undo(self) -> None:
-        for tmp, fd in self.temps.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            tmp.unlink(missing_ok=True)
-        for final in self.renamed:
-            final.unlink(missing_ok=True)
-        for directory in reversed(self.created_dirs):
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-
-
-def _check_targets(manifest: Manifest, dest: Path) -> dict[str, Path]:
-    """Map every manifest path to its target, refusing any that could leave ``dest``."""
-    real_dest = Path(os.path.realpath(dest))
-    targets: dict[str, Path] = {}
-    for entry in manifest.files:
-        target = dest.joinpath(*entry.path.split("/"))
-        probe = dest
-        for part in entry.path.split("/")[:-1]:
-            probe = probe / part
-            if probe.is_symlink():
-                real = Path(os.path.realpath(probe))
-                if real != real_dest and real_dest not in real.parents:
-                    raise Corrupt(f"{probe} is a symlink out of the destination")
-            elif probe.exists() and not probe.is_dir():
-                raise AlreadyExists(f"{probe} exists and is not a directory")
-        if target.exists() or target.is_symlink():
-            raise AlreadyExists(f"{target} already exists; pull into an empty destination")
-        targets[entry.path] = target
-    return targets
-
-
-def _check_inside(directory: Path, dest: Path, path: str) -> None:
-    real = Path(os.path.realpath(directory))
-    real_dest = Path(os.path.realpath(dest))
-    if real != real_dest and real_dest not in real.parents:
-        raise Corrupt(f"{path!r} would land outside the destination")
-
-
-def _interleaved(files: list[FileEntry]) -> list[str]:
-    """Distinct chunk ids, taking one chunk of each file in turn.
-
-    Buffered writes to one file serialise on its inode lock (and with it the page-cache
-    allocation they do), so concurrent writers should mostly be writing different files.
-    """
-    order: list[str] = []
-    seen: set[str] = set()
-    for group in itertools.zip_longest(*(entry.chunks for entry in files)):
-        for ref in group:
-            if ref is not None and ref.id not in seen:
-                seen.add(ref.id)
-                order.append(ref.id)
-    return order
-
-
-def _is_zeros(obj: bytes, content: bytes | memoryview) -> bool:
-    """Whether ``content`` is all zero bytes; cheap unless ``obj`` compressed it very well."""
-    size = len(content)
-    if size == 0 or len(obj) * 64 > size:  # zstd shrinks zeros far more than 64x
-        return size == 0
-    return content == bytes(size)  # calloc'd zero pages: no copy, one memcmp
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
-
-
-def _make_dirs(path: Path, layout: _Layout) -> None:
-    missing: list[Path] = []
-    probe = path
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    for directory in reversed(missing):
-        directory.mkdir(mode=0o755)
-        layout.created_dirs.append(directory)
-
-
-def pull_files(
-    manifest: Manifest,
-    dest: Path,
-    *,
-    backend: Backend,
-    codec: ChunkCodec,
-    executor: ThreadPoolExecutor,
-    budget_bytes: int,
-    progress: ProgressFn | None,
-) -> PullStats:
-    """Write every file of ``manifest`` under ``dest``; on failure, remove what was written."""
-    stats = PullStats(bytes_total=manifest.bytes_total)
-    stats.chunks_total = sum(len(f.chunks) for f in manifest.files)
-    targets = _check_targets(manifest, dest)  # before anything is written
-    layout = _Layout(dest)
-    run = _Run()
-    budget = ByteBudget(budget_bytes)
-    token = secrets.token_hex(4)
-    try:
-        _make_dirs(dest, layout)
-        # Where each distinct chunk goes: one fetch serves every place it appears.
-        places: dict[str, list[tuple[int, int]]] = {}
-        sizes: dict[str, int] = {}
-        for entry in manifest.files:
-            target = targets[entry.path]
-            _make_dirs(target.parent, layout)
-            _check_inside(target.parent, dest, entry.path)
-            tmp = target.with_name(f"{_TMP_PREFIX}{token}-{target.name}"[:255])
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600)
-            layout.temps[entry.path] = (tmp, fd)
-            os.ftruncate(fd, entry.size)
-            offset = 0
-            for ref in entry.chunks:
-                places.setdefault(ref.id, []).append((fd, offset))
-                sizes[ref.id] = ref.size
-                offset += ref.size
-
-        def task(chunk_id: str) -> None:
-            size = sizes[chunk_id]
-            try:
-                if run.abort.is_set():
-                    return
-                obj = backend.get(chunk_key(chunk_id))
-                # Verified (size, then hash) before any byte is used.
-                content = codec.decode(chunk_id, obj, size)
-                # Every temp file starts as a hole of its full size (ftruncate), which reads
-                # as zeros: a zero chunk (a KV pool's empty blocks) needs no write at all.
-                if not _is_zeros(obj, content):
-                    for fd, offset in places[chunk_id]:
-                        _pwrite_all(fd, content, offset)
-                with stats.lock:
-                    stats.bytes_fetched += len(obj)
-                    stats.bytes_done += size * len(places[chunk_id])
-            except NotFound as exc:
-                run.fail(Corrupt(f"chunk {chunk_id} is missing from the store ({exc})"))
-            except BaseException as exc:
-                run.fail(_dest_error(exc, dest))
-            finally:
-                budget.release(size)
-
-        futures: list[Future[None]] = []
-        for chunk_id in _interleaved(manifest.files):
-            budget.acquire(sizes[chunk_id], run.abort)
-            if run.abort.is_set():
-                break
-            futures.append(executor.submit(task, chunk_id))
-            if progress is not None:
-                progress(stats.bytes_done, stats.bytes_total)
-        for fut in futures:
-            fut.result()
-            if progress is not None:
-                progress(stats.bytes_done, stats.bytes_total)
-        run.check()
-        by_path = {entry.path: entry for entry in manifest.files}
-        for path, (tmp, fd) in list(layout.temps.items()):
-            os.fchmod(fd, by_path[path].mode & 0o777)  # never setuid/setgid/sticky
-            os.close(fd)
-            del layout.temps[path]
-            layout.temps[path] = (tmp, -1)
-        for path, (tmp, _fd) in list(layout.temps.items()):
-            os.rename(tmp, targets[path])
-            del layout.temps[path]
-            layout.renamed.append(targets[path])
-    except BaseException as exc:
-        run.abort.set()
-        layout.undo()
-        if isinstance(exc, OSError):
-            raise _dest_error(exc, dest) from exc
-        raise
-    return stats
-
-
 def read_entry(
     entry: FileEntry,
     *,
@@ -671,7 +463,7 @@ def read_entry(
             except GpusnapError:
                 raise
             except BaseException as exc:
-                raise _translate(exc, f"reading {entry.path}") from exc
+                raise translate_error(exc, f"reading {entry.path}") from exc
             in_flight -= size
             yield at, content
     finally:

@@ -83,11 +83,11 @@ from gpusnap.storage.pipeline import (
     chunk_id_of_key,
     chunk_key,
     file_input,
-    pull_files,
     push_files,
     push_inputs,
     read_entry,
 )
+from gpusnap.storage.pull import pull_files
 from gpusnap.storage.streams import (
     STREAMS_EXTRA_KEY,
     StreamSource,
@@ -555,11 +555,15 @@ class CheckpointStore:
         *,
         progress: ProgressFn | None = None,
         exclude_kinds: Collection[str] = (),
+        direct: bool = True,
+        durable: bool = True,
     ) -> PullResult:
         """Restore a checkpoint's files under ``dest`` (all or nothing).
 
         Entries pushed as streams of a kind in ``exclude_kinds`` are left out (read them
-        with ``open_stream``); by default every entry is written as a file.
+        with ``open_stream``); by default every entry is written as a file. ``direct`` writes
+        around the page cache and ``durable`` syncs before returning (see ``storage/pull.py``);
+        a pull whose files are read back at once and thrown away wants neither.
         """
         started = time.monotonic()
         manifest = self.manifest(checkpoint_id)
@@ -577,6 +581,8 @@ class CheckpointStore:
             executor=self._io_executor,
             budget_bytes=self._budget,
             progress=progress,
+            direct=direct,
+            durable=durable,
         )
         return PullResult(
             checkpoint_id,

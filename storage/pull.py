@@ -1,0 +1,437 @@
+"""The pull data path: fetch chunks in parallel, verify each, write the files (all or nothing).
+
+Every file is written to a temporary name beside its target, created at its full size as a
+hole (so a zero chunk needs no write at all), and renamed into place only when every chunk of
+every file is in; a failure removes exactly what this pull created.
+
+Writes, two ways:
+
+- ``direct`` (the default for a pull to keep): each chunk is decompressed and verified in a
+  reused page-aligned buffer and its block-aligned interior is written with ``O_DIRECT``; the
+  few bytes at each end that share a 4 KiB block with the next chunk go through the page
+  cache. A restore of tens of GiB then neither fills the page cache with pages nobody reads
+  soon nor waits behind dirty-page throttling, and never touches fresh memory per chunk.
+  Filesystems that refuse ``O_DIRECT`` (some FUSE and network filesystems) fall back to
+  buffered writes, per file, silently.
+- buffered (``direct=False``): for files read back at once (the daemon's restore staging,
+  which CRIU reads the moment the pull ends): the page cache is where the reader wants them.
+
+With ``durable`` every file is fsynced before the renames and each directory after them, so
+a pull that returned survives a power cut; without it (staging) nothing is synced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import mmap
+import os
+import queue
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpusnap.storage.backend import Backend
+from gpusnap.storage.chunker import MAX_SIZE
+from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.errors import (
+    AlreadyExists,
+    Corrupt,
+    FailedPrecondition,
+    GpusnapError,
+    NotFound,
+)
+from gpusnap.storage.manifest import FileEntry, Manifest
+from gpusnap.storage.pipeline import ByteBudget, ProgressFn, Run, chunk_key, translate_error
+
+TMP_PREFIX = ".gpusnap-pull-"
+# O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's logical block
+# size: 4 KiB satisfies every common device (512-byte ones included).
+ALIGN = 4096
+# Interiors shorter than this go through the page cache: not worth a synchronous device write.
+_MIN_DIRECT = 64 * 1024
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+# Zero detection in chunks that compressed at least this well, by grains of this size.
+_SPARSE_RATIO = 2
+_GRAIN = 32 * 1024
+_ZERO = bytes(_GRAIN)
+_PROBE = 16
+# errnos that mean "this filesystem does not do O_DIRECT (here)", not "the disk failed".
+_NO_DIRECT = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+def dest_error(exc: BaseException, dest: Path) -> GpusnapError:
+    """An error of a pull, said about the destination when it is the destination's."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return FailedPrecondition(
+            f"destination disk full: cannot write into {dest} ({exc.strerror or exc})"
+        )
+    if isinstance(exc, OSError):
+        return translate_error(exc, f"cannot write into {dest}")
+    return translate_error(exc, f"pulling into {dest}")
+
+
+@dataclass
+class PullStats:
+    bytes_total: int = 0
+    bytes_fetched: int = 0
+    bytes_done: int = 0
+    chunks_total: int = 0
+    bytes_direct: int = 0  # written with O_DIRECT
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Target:
+    """One file being written: its temp path, a buffered fd, and an O_DIRECT fd when allowed."""
+
+    def __init__(self, tmp: Path, fd: int, dfd: int | None) -> None:
+        self.tmp = tmp
+        self.fd = fd
+        self.dfd = dfd
+        self._lock = threading.Lock()
+
+    def no_direct(self) -> None:
+        with self._lock:
+            if self.dfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self.dfd)
+                self.dfd = None
+
+    def close(self) -> None:
+        self.no_direct()
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+class _Layout:
+    """What a pull creates in ``dest``, so that a failure can remove exactly that."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
+        self.created_dirs: list[Path] = []
+        self.temps: dict[str, _Target] = {}  # manifest path -> file being written
+        self.renamed: list[Path] = []
+
+    def undo(self) -> None:
+        for target in self.temps.values():
+            target.close()
+            target.tmp.unlink(missing_ok=True)
+        for final in self.renamed:
+            final.unlink(missing_ok=True)
+        for directory in reversed(self.created_dirs):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+
+class _Buffers:
+    """Page-aligned buffers of one chunk's size (plus alignment slack), reused across chunks.
+
+    At most one per worker thread exists at a time; they are unmapped when the pull ends.
+    """
+
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._all: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            buf = mmap.mmap(-1, MAX_SIZE + 2 * ALIGN)  # anonymous maps are page-aligned
+            with self._lock:
+                self._all.append(buf)
+            return buf
+
+    def give(self, buf: mmap.mmap) -> None:
+        self._free.put(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            for buf in self._all:
+                with contextlib.suppress(BufferError):  # a view still alive: the GC frees it
+                    buf.close()
+            self._all.clear()
+
+
+def check_targets(manifest: Manifest, dest: Path) -> dict[str, Path]:
+    """Map every manifest path to its target, refusing any that could leave ``dest``."""
+    real_dest = Path(os.path.realpath(dest))
+    targets: dict[str, Path] = {}
+    for entry in manifest.files:
+        target = dest.joinpath(*entry.path.split("/"))
+        probe = dest
+        for part in entry.path.split("/")[:-1]:
+            probe = probe / part
+            if probe.is_symlink():
+                real = Path(os.path.realpath(probe))
+                if real != real_dest and real_dest not in real.parents:
+                    raise Corrupt(f"{probe} is a symlink out of the destination")
+            elif probe.exists() and not probe.is_dir():
+                raise AlreadyExists(f"{probe} exists and is not a directory")
+        if target.exists() or target.is_symlink():
+            raise AlreadyExists(f"{target} already exists; pull into an empty destination")
+        targets[entry.path] = target
+    return targets
+
+
+def _check_inside(directory: Path, dest: Path, path: str) -> None:
+    real = Path(os.path.realpath(directory))
+    real_dest = Path(os.path.realpath(dest))
+    if real != real_dest and real_dest not in real.parents:
+        raise Corrupt(f"{path!r} would land outside the destination")
+
+
+def _interleaved(files: list[FileEntry]) -> list[str]:
+    """Distinct chunk ids, taking one chunk of each file in turn.
+
+    Writes to one file serialise on its inode lock (and with it the block allocation they
+    do), so concurrent writers should mostly be writing different files.
+    """
+    order: list[str] = []
+    seen: set[str] = set()
+    for group in itertools.zip_longest(*(entry.chunks for entry in files)):
+        for ref in group:
+            if ref is not None and ref.id not in seen:
+                seen.add(ref.id)
+                order.append(ref.id)
+    return order
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+
+
+def _make_dirs(path: Path, layout: _Layout) -> None:
+    missing: list[Path] = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o755)
+        layout.created_dirs.append(directory)
+
+
+def _open_direct(tmp: Path) -> int | None:
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(tmp, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno in _NO_DIRECT:
+            return None
+        raise
+
+
+def _data_runs(buf: mmap.mmap, lo: int, hi: int, file_lo: int) -> list[tuple[int, int]]:
+    """The ranges of ``buf[lo:hi]`` that hold data; the rest is whole zero grains.
+
+    ``buf[lo]`` lands at file offset ``file_lo``; grains are aligned to file offsets, so a
+    KV pool's empty blocks are seen as such. Skipped grains stay holes in the new file (they
+    read as zeros), like ``zstd -d --sparse`` or ``cp --sparse``.
+    """
+    runs: list[tuple[int, int]] = []
+    begin = -1
+    pos = lo
+    while pos < hi:
+        end = min(hi, pos + _GRAIN - (file_lo + pos - lo) % _GRAIN)
+        n = end - pos
+        # mmap slices are bytes: the probe rejects most data grains after a few bytes.
+        zero = buf[pos : pos + _PROBE] == _ZERO[: min(n, _PROBE)] and buf[pos:end] == _ZERO[:n]
+        if zero and begin >= 0:
+            runs.append((begin, pos))
+            begin = -1
+        elif not zero and begin < 0:
+            begin = pos
+        pos = end
+    if begin >= 0:
+        runs.append((begin, hi))
+    return runs
+
+
+def _write_place(
+    target: _Target, buf: mmap.mmap, shift: int, size: int, offset: int, *, sparse: bool
+) -> int:
+    """Write the chunk at ``buf[shift:shift + size]`` to ``offset``; bytes written directly.
+
+    ``shift`` is ``offset % ALIGN`` of the place the chunk was decoded for; a place with
+    another alignment (the same chunk twice at different offsets) is written buffered. With
+    ``sparse`` (the chunk compressed well: it may hold empty blocks) zero grains are skipped.
+    """
+    view = memoryview(buf)
+    try:
+        dfd = target.dfd
+        start = -(-offset // ALIGN) * ALIGN  # first block boundary at or after offset
+        end = (offset + size) // ALIGN * ALIGN
+        if dfd is None or offset % ALIGN != shift or end - start < _MIN_DIRECT:
+            lo, hi = shift, shift + size
+            runs = _data_runs(buf, lo, hi, offset) if sparse else [(lo, hi)]
+            for a, b in runs:
+                _pwrite_all(target.fd, view[a:b], offset + a - lo)
+            return 0
+        head, tail = start - offset, end - offset
+        lo, hi = shift + head, shift + tail  # at multiples of ALIGN from the map's start
+        runs = _data_runs(buf, lo, hi, start) if sparse else [(lo, hi)]
+        done = 0
+        for a, b in runs:
+            try:
+                _pwrite_all(dfd, view[a:b], start + a - lo)
+            except OSError as exc:
+                if exc.errno not in _NO_DIRECT:
+                    raise
+                target.no_direct()
+                _pwrite_all(target.fd, view[a:b], start + a - lo)
+                continue
+            done += b - a
+        if head:
+            _pwrite_all(target.fd, view[shift:lo], offset)
+        if tail < size:
+            _pwrite_all(target.fd, view[hi : shift + size], end)
+        return done
+    finally:
+        view.release()
+
+
+def pull_files(
+    manifest: Manifest,
+    dest: Path,
+    *,
+    backend: Backend,
+    codec: ChunkCodec,
+    executor: ThreadPoolExecutor,
+    budget_bytes: int,
+    progress: ProgressFn | None,
+    direct: bool = True,
+    durable: bool = True,
+) -> PullStats:
+    """Write every file of ``manifest`` under ``dest``; on failure, remove what was written."""
+    stats = PullStats(bytes_total=manifest.bytes_total)
+    stats.chunks_total = sum(len(f.chunks) for f in manifest.files)
+    targets = check_targets(manifest, dest)  # before anything is written
+    layout = _Layout(dest)
+    run = Run()
+    budget = ByteBudget(budget_bytes)
+    buffers = _Buffers()
+    token = secrets.token_hex(4)
+    try:
+        _make_dirs(dest, layout)
+        # Where each distinct chunk goes: one fetch serves every place it appears.
+        places: dict[str, list[tuple[_Target, int]]] = {}
+        sizes: dict[str, int] = {}
+        for entry in manifest.files:
+            final = targets[entry.path]
+            _make_dirs(final.parent, layout)
+            _check_inside(final.parent, dest, entry.path)
+            tmp = final.with_name(f"{TMP_PREFIX}{token}-{final.name}"[:255])
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600)
+            target = _Target(tmp, fd, None)
+            layout.temps[entry.path] = target
+            os.ftruncate(fd, entry.size)
+            if direct and entry.size >= _MIN_DIRECT:
+                target.dfd = _open_direct(tmp)
+            offset = 0
+            for ref in entry.chunks:
+                places.setdefault(ref.id, []).append((target, offset))
+                sizes[ref.id] = ref.size
+                offset += ref.size
+
+        def task(chunk_id: str) -> None:
+            size = sizes[chunk_id]
+            buf = None
+            try:
+                if run.abort.is_set():
+                    return
+                obj = backend.get(chunk_key(chunk_id))
+                where = places[chunk_id]
+                shift = where[0][1] % ALIGN
+                buf = buffers.take()
+                out = memoryview(buf)[shift : shift + size]
+                try:
+                    codec.decode_into(chunk_id, obj, out)  # verified before any byte is used
+                finally:
+                    out.release()
+                # Every temp file starts as a hole of its full size (ftruncate), which reads
+                # as zeros: zero chunks and (sparse) zero grains need no write at all.
+                sparse = len(obj) * _SPARSE_RATIO < size
+                done_direct = 0
+                for target, offset in where:
+                    done_direct += _write_place(target, buf, shift, size, offset, sparse=sparse)
+                with stats.lock:
+                    stats.bytes_fetched += len(obj)
+                    stats.bytes_done += size * len(where)
+                    stats.bytes_direct += done_direct
+            except NotFound as exc:
+                run.fail(Corrupt(f"chunk {chunk_id} is missing from the store ({exc})"))
+            except BaseException as exc:
+                run.fail(dest_error(exc, dest))
+            finally:
+                if buf is not None:
+                    buffers.give(buf)
+                budget.release(size)
+
+        # A chunk of zeros is known from its (authenticated) id alone: nothing to fetch or
+        # write. Zero runs longer than the largest chunk all become that one chunk.
+        zeros = {MAX_SIZE: codec.chunk_id(bytes(MAX_SIZE))} if MAX_SIZE in sizes.values() else {}
+        futures: list[Future[None]] = []
+        for chunk_id in _interleaved(manifest.files):
+            if zeros.get(sizes[chunk_id]) == chunk_id:
+                stats.bytes_done += sizes[chunk_id] * len(places[chunk_id])
+                continue
+            budget.acquire(sizes[chunk_id], run.abort)
+            if run.abort.is_set():
+                break
+            futures.append(executor.submit(task, chunk_id))
+            if progress is not None:
+                progress(stats.bytes_done, stats.bytes_total)
+        for fut in futures:
+            fut.result()
+            if progress is not None:
+                progress(stats.bytes_done, stats.bytes_total)
+        run.check()
+        by_path = {entry.path: entry for entry in manifest.files}
+        for path, target in layout.temps.items():
+            target.no_direct()
+            os.fchmod(target.fd, by_path[path].mode & 0o777)  # never setuid/setgid/sticky
+            if durable:
+                os.fsync(target.fd)
+        for path, target in list(layout.temps.items()):
+            target.close()
+            os.rename(target.tmp, targets[path])
+            del layout.temps[path]
+            layout.renamed.append(targets[path])
+        if durable:
+            _sync_dirs({targets[p].parent for p in by_path} | {dest, dest.parent})
+    except BaseException as exc:
+        run.abort.set()
+        layout.undo()
+        if isinstance(exc, OSError):
+            raise dest_error(exc, dest) from exc
+        raise
+    finally:
+        buffers.close()
+    return stats
+
+
+def _sync_dirs(directories: set[Path]) -> None:
+    for directory in sorted(directories):
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # dest's parent may not be ours to open; the files themselves are synced
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EROFS):
+                raise
+        finally:
+            os.close(fd)
