@@ -4,7 +4,12 @@ Each method mirrors one ``gpusnap.v1`` RPC (and one ``DaemonServiceAPI`` method)
 call raises the error kind the daemon decided — read from the ``gpusnap-error-kind``
 trailing metadata and rebuilt with ``error_from_kind`` — so the CLI exits with the code the
 service chose. When the daemon cannot be reached at all, ``DaemonUnreachable`` says so in one
-line with the socket path; the CLI exits 5 for it.
+line with the socket path or TCP address; the CLI exits 5 for it.
+
+``connect(args)`` picks the way in: the unix socket (``--socket``, the default), or
+gpusnapd's mutual-TLS TCP listener (``--address`` with ``--tls-ca``/``--tls-cert``/``--tls-key``,
+checked by ``cli/_tls.py``). A command-line option beats an environment variable; there is no
+plaintext TCP.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import grpc  # after the logging switch above
 from google.protobuf import json_format, struct_pb2
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from gpusnap.cli._tls import ClientTls, explain_unreachable, load_client_tls, parse_address
 from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
@@ -46,6 +52,14 @@ DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
 # sun_path holds 108 bytes with its NUL; gRPC cannot even form a channel to a longer path.
 MAX_SOCKET_PATH_BYTES = 107
 SOCKET_ENV = "GPUSNAP_SOCKET"
+ADDRESS_ENV = "GPUSNAP_ADDRESS"
+# (argparse dest, option, environment variable) of the client's mutual-TLS settings.
+TLS_SETTINGS = (
+    ("tls_ca", "--tls-ca", "GPUSNAP_TLS_CA"),
+    ("tls_cert", "--tls-cert", "GPUSNAP_TLS_CERT"),
+    ("tls_key", "--tls-key", "GPUSNAP_TLS_KEY"),
+    ("tls_server_name", "--tls-server-name", "GPUSNAP_TLS_SERVER_NAME"),
+)
 # Generous for unary calls (they only queue work or read state); Watch has no deadline.
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -71,7 +85,8 @@ JOB_KEYS = (
 
 
 class DaemonUnreachable(Unreachable):
-    """No gpusnapd answers at the socket (missing, refused, or not ours to open): exit 5."""
+    """No gpusnapd answers at the socket (missing, refused, or not ours to open) or at the TCP
+    address (refused, or the TLS handshake failed either way): exit 5."""
 
     def __init__(self, target: str, why: str) -> None:
         super().__init__(f"cannot reach gpusnapd at {target}: {why}")
@@ -177,11 +192,17 @@ class DaemonClient:
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         socket_file: Path | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.target = target
         self._socket_file = socket_file
+        self._secure = credentials is not None
         self._timeout = timeout
-        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        options: list[tuple[str, str | int]] = [
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024)
+        ]
+        if server_name is not None:
+            options.append(("grpc.ssl_target_name_override", server_name))
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
@@ -204,6 +225,21 @@ class DaemonClient:
         if "\0" in str(path):
             raise InvalidArgument(f"socket path contains a NUL byte: {path!r}")
         return cls(f"unix:{path}", timeout=timeout, socket_file=path)
+
+    @classmethod
+    def for_address(
+        cls, address: str, tls: ClientTls, *, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> DaemonClient:
+        """A client for gpusnapd's mutual-TLS listener at ``host:port``."""
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+        )
+        return cls(
+            parse_address(address),
+            credentials=credentials,
+            timeout=timeout,
+            server_name=tls.server_name,
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -232,6 +268,8 @@ class DaemonClient:
             return error_from_kind(kind, details)
         # No kind: the call never reached our servicer.
         if code == grpc.StatusCode.UNAVAILABLE:
+            if self._secure:
+                return DaemonUnreachable(self.target, explain_unreachable(details))
             why = _probe_why(self._socket_file) if self._socket_file is not None else None
             return DaemonUnreachable(self.target, why or details)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -376,6 +414,74 @@ class DaemonClient:
             raise self._error(err) from None
 
 
+def _address(args: argparse.Namespace | None) -> tuple[str, str] | None:
+    """(address, the option or variable that gave it), or None for the unix socket."""
+    socket_flag = getattr(args, "socket", None)
+    address_flag = getattr(args, "address", None)
+    if socket_flag is not None and address_flag is not None:
+        raise InvalidArgument(
+            "give --socket or --address, not both (the unix socket, or the mutual-TLS listener)"
+        )
+    if address_flag is not None:
+        return address_flag, "--address"
+    if socket_flag is not None:
+        return None
+    from_env = os.environ.get(ADDRESS_ENV)
+    if not from_env:
+        return None
+    if os.environ.get(SOCKET_ENV):
+        raise InvalidArgument(
+            f"both {SOCKET_ENV} and {ADDRESS_ENV} are set; unset one, or choose with "
+            "--socket or --address"
+        )
+    return from_env, ADDRESS_ENV
+
+
+def client_tls(args: argparse.Namespace | None, *, needed_by: str = "--address") -> ClientTls:
+    """The TLS files the options (else the environment) name, read and checked; all three
+    files are required (``needed_by`` names what asked for TLS in the error)."""
+    given: dict[str, tuple[str, str]] = {}
+    for dest, option, env in TLS_SETTINGS:
+        flag = getattr(args, dest, None)
+        if flag is not None:
+            given[dest] = (flag, option)
+        elif os.environ.get(env):
+            given[dest] = (os.environ[env], env)
+    missing = [
+        f"{option} (or {env})"
+        for dest, option, env in TLS_SETTINGS[:3]
+        if not given.get(dest, ("", ""))[0]
+    ]
+    if missing:
+        raise InvalidArgument(
+            f"{needed_by} needs mutual TLS (never plaintext TCP); missing {', '.join(missing)}"
+        )
+
+    def file(dest: str) -> tuple[Path, str]:
+        value, source = given[dest]
+        return Path(value), source
+
+    name = given.get("tls_server_name")
+    return load_client_tls(
+        ca=file("tls_ca"),
+        cert=file("tls_cert"),
+        key=file("tls_key"),
+        server_name=name[0] if name is not None else None,
+    )
+
+
 def connect(args: argparse.Namespace | None = None) -> DaemonClient:
-    """A client for the socket the CLI options name (see ``socket_path``)."""
-    return DaemonClient.for_socket(socket_path(args))
+    """A client for the daemon the CLI options name: the unix socket (see ``socket_path``), or
+    the mutual-TLS listener at ``--address``/``$GPUSNAP_ADDRESS``. ``InvalidArgument`` (exit 2)
+    for options that do not fit together or TLS files that cannot be used."""
+    address = _address(args)
+    if address is None:
+        for dest, option, _env in TLS_SETTINGS:
+            if getattr(args, dest, None) is not None:
+                raise InvalidArgument(
+                    f"{option} needs --address (or {ADDRESS_ENV}); the unix socket takes no TLS"
+                )
+        return DaemonClient.for_socket(socket_path(args))
+    value, source = address
+    parse_address(value, source=source)
+    return DaemonClient.for_address(value, client_tls(args, needed_by=source))

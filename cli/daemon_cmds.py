@@ -3,9 +3,9 @@ workloads, status.
 
 Names, flags and ``--json`` keys are a contract (docs/api.md). Errors come back from the
 daemon as the kind it decided and exit with that kind's code (``ERROR_TABLE``); a daemon that
-cannot be reached is one line naming the socket, exit 5. ``--wait`` follows a job over the
-Watch stream to its end, with a progress bar on stderr when stderr is a terminal; a job that
-ends failed exits with the code of its error kind.
+cannot be reached is one line naming the socket or address, exit 5. ``--wait`` follows a job
+over the Watch stream to its end, with a progress bar on stderr when stderr is a terminal; a
+job that ends failed exits with the code of its error kind.
 """
 
 from __future__ import annotations

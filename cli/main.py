@@ -45,6 +45,40 @@ def _register_optional(subparsers: Subparsers) -> None:
         module.register(subparsers)
 
 
+def _add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """Where gpusnapd is: its unix socket, or its mutual-TLS TCP listener. No defaults here:
+    ``cli/_client.connect`` reads the environment, so an option can beat a variable."""
+    g = parser.add_argument_group("reaching gpusnapd (before the command)")
+    g.add_argument("--socket", metavar="PATH", help="gpusnapd's API socket (env GPUSNAP_SOCKET)")
+    g.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help="gpusnapd's mutual-TLS listener instead of the socket; needs --tls-ca, --tls-cert "
+        "and --tls-key (env GPUSNAP_ADDRESS)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="CA (PEM) that signs the daemon's certificate (env GPUSNAP_TLS_CA)",
+    )
+    g.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="client certificate (PEM), signed by the daemon's client CA (env GPUSNAP_TLS_CERT)",
+    )
+    g.add_argument(
+        "--tls-key",
+        metavar="FILE",
+        help="the client certificate's private key (PEM, unencrypted) (env GPUSNAP_TLS_KEY)",
+    )
+    g.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="name to verify in the daemon's certificate instead of HOST "
+        "(env GPUSNAP_TLS_SERVER_NAME)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -54,12 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "5 daemon unreachable",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    parser.add_argument(
-        "--socket",
-        metavar="PATH",
-        default=os.environ.get("GPUSNAP_SOCKET"),
-        help="gpusnapd's API socket (env GPUSNAP_SOCKET)",
-    )
+    _add_connection_options(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     store_cmds.register(subparsers)
     _register_optional(subparsers)

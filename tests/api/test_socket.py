@@ -3,9 +3,7 @@ real user outside (and inside) the ``gpusnap`` group."""
 
 from __future__ import annotations
 
-import datetime
 import grp
-import ipaddress
 import os
 import pwd
 import shutil
@@ -18,15 +16,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.grpc_server import TcpListenerConfig, start_server, stop_server
 from gpusnap.storage.errors import EXIT_DAEMON_UNREACHABLE, AlreadyExists, FailedPrecondition
 from tests.api.conftest import REPO, FakeService
+from tests.support.tls import Ca, free_port
 
 GROUP = "gpusnap"
 OUTSIDER = "gpusnap-test-outsider"
@@ -174,64 +170,13 @@ def test_user_in_the_group_can_connect(grouped_server: Path) -> None:
 # --- mutual TLS ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _pki(d: Path) -> dict[str, bytes]:
     """A CA, a server cert for 127.0.0.1/localhost and a client cert, all signed by the CA."""
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-        return key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("gpusnap test CA"))
-        .issuer_name(name("gpusnap test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    def leaf(cn: str, usage: x509.ObjectIdentifier) -> tuple[bytes, bytes]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .add_extension(
-                x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-                ),
-                critical=False,
-            )
-        )
-        cert = builder.sign(ca_key, hashes.SHA256())
-        return cert.public_bytes(serialization.Encoding.PEM), pem_key(key)
-
-    server_cert, server_key = leaf("gpusnapd", ExtendedKeyUsageOID.SERVER_AUTH)
-    client_cert, client_key = leaf("operator", ExtendedKeyUsageOID.CLIENT_AUTH)
+    ca = Ca("gpusnap test CA")
+    server_cert, server_key = ca.leaf("gpusnapd", ExtendedKeyUsageOID.SERVER_AUTH)
+    client_cert, client_key = ca.leaf("operator", ExtendedKeyUsageOID.CLIENT_AUTH)
     out = {
-        "ca": ca.public_bytes(serialization.Encoding.PEM),
+        "ca": ca.pem,
         "server_cert": server_cert,
         "server_key": server_key,
         "client_cert": client_cert,
@@ -246,7 +191,7 @@ def test_tcp_listener_requires_a_client_certificate(
     service: FakeService, socket_dir: Path, tmp_path: Path
 ) -> None:
     pki = _pki(tmp_path)
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     tcp = TcpListenerConfig(
         address=address,
         cert_file=tmp_path / "server_cert.pem",

@@ -4,10 +4,7 @@ with the last good checkpoint, the Prometheus endpoint, the mutual-TLS listener,
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -17,10 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon import proctree
@@ -28,15 +22,10 @@ from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support import workloads
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.tls import Ca, free_port
 from tests.support.workloads import Workload
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _until(what: str, ready: Callable[[], bool]) -> None:
@@ -64,7 +53,7 @@ def test_status_workloads_and_metrics_show_the_last_good_checkpoint_and_its_age(
     started.append(w)
     pid_file = tmp_path / "svc.pid"
     pid_file.write_text(f"{w.pid}\n")
-    port = _free_port()
+    port = free_port()
     node = nodes.make(
         "a",
         extra_config=(
@@ -128,63 +117,10 @@ def test_status_workloads_and_metrics_show_the_last_good_checkpoint_and_its_age(
 # --- the mutual-TLS listener ------------------------------------------------------------------
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-class _Ca:
-    """A throwaway certificate authority that signs leaf certificates for 127.0.0.1."""
-
-    def __init__(self, cn: str) -> None:
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        self.cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn))
-            .issuer_name(_name(cn))
-            .public_key(self.key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(self.key, hashes.SHA256())
-        )
-        self.pem = self.cert.public_bytes(serialization.Encoding.PEM)
-
-    def leaf(self, cn: str, usage: x509.ObjectIdentifier) -> tuple[bytes, bytes]:
-        """(certificate PEM, private key PEM)."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn))
-            .issuer_name(self.cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .add_extension(
-                x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-                ),
-                critical=False,
-            )
-            .sign(self.key, hashes.SHA256())
-        )
-        return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
-
-
 def test_the_tcp_listener_takes_a_client_cert_of_the_client_ca_and_refuses_others(
     nodes: Nodes, tmp_path: Path
 ) -> None:
-    server_ca, client_ca, stranger_ca = _Ca("server CA"), _Ca("client CA"), _Ca("other CA")
+    server_ca, client_ca, stranger_ca = Ca("server CA"), Ca("client CA"), Ca("other CA")
     server_cert, server_key = server_ca.leaf("gpusnapd", ExtendedKeyUsageOID.SERVER_AUTH)
     client_cert, client_key = client_ca.leaf("operator", ExtendedKeyUsageOID.CLIENT_AUTH)
     stranger_cert, stranger_key = stranger_ca.leaf("intruder", ExtendedKeyUsageOID.CLIENT_AUTH)
@@ -196,7 +132,7 @@ def test_the_tcp_listener_takes_a_client_cert_of_the_client_ca_and_refuses_other
         "clients-ca.pem": client_ca.pem,
     }.items():
         (tls / name).write_bytes(data)
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     node = nodes.make("a")
     node.write_config()
     text = node.config_path.read_text()
