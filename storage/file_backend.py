@@ -15,17 +15,16 @@ writeback started at once; ``sync(keys)`` later fsyncs those files in parallel a
 directories, one batch before the manifest instead of two waits per object, and ``sync()``
 syncs the whole filesystem (``syncfs(2)``). Deletes are not fsynced: a crash may bring a
 deleted object back, which is harmless for the garbage it was.
+
+The POSIX primitives underneath (opening names relative to a directory fd without following a
+symlink, temp files, ``syncfs``) are in ``storage/file_ops.py``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import functools
 import logging
 import os
-import secrets
 import stat as stat_mod
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,13 +46,21 @@ from gpusnap.storage.errors import (
     InvalidArgument,
     NotFound,
 )
+from gpusnap.storage.file_ops import (
+    DIR_FLAGS,
+    DIR_MODE,
+    TEMP_PREFIX,
+    is_dir_at,
+    is_symlink_at,
+    open_below,
+    syncfs,
+    unlink_quietly,
+    write_temp,
+)
 
 log = logging.getLogger(__name__)
 
-TEMP_PREFIX = ".gpusnap-tmp-"
 _SYNC_THREADS = 16
-DIR_MODE = 0o700
-FILE_MODE = 0o600
 _READ_BLOCK = 1 << 30  # pread() returns at most ~2 GiB per call on Linux
 
 
@@ -87,9 +94,9 @@ class FileBackend:
             dfd = self._open_dir(directory, key, create=True)
             assert dfd is not None
             try:
-                if if_absent and _is_dir_at(dfd, name):
+                if if_absent and is_dir_at(dfd, name):
                     raise FailedPrecondition(f"store key {key!r} names a directory in {self.root}")
-                tmp = _write_temp(dfd, data, durable=True)
+                tmp = write_temp(dfd, data, durable=True)
                 try:
                     if if_absent:
                         try:
@@ -101,7 +108,7 @@ class FileBackend:
                     else:
                         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 finally:
-                    _unlink_quietly(dfd, tmp)
+                    unlink_quietly(dfd, tmp)
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
@@ -117,11 +124,11 @@ class FileBackend:
             dfd = self._open_dir(directory, key, create=True)
             assert dfd is not None
             try:
-                tmp = _write_temp(dfd, data, durable=False)
+                tmp = write_temp(dfd, data, durable=False)
                 try:
                     os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 finally:
-                    _unlink_quietly(dfd, tmp)
+                    unlink_quietly(dfd, tmp)
             finally:
                 os.close(dfd)
         except OSError as exc:
@@ -139,7 +146,7 @@ class FileBackend:
             if keys is None:
                 fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:
-                    _syncfs(fd)
+                    syncfs(fd)
                 finally:
                     os.close(fd)
                 return
@@ -259,18 +266,18 @@ class FileBackend:
         directories are made (mode 0700, their parent fsynced); without it ``None`` means
         one is missing. The root itself may be a symlink: the operator chose it.
         """
-        fd = os.open(self.root, _DIR_FLAGS)
+        fd = os.open(self.root, DIR_FLAGS)
         try:
             for depth, segment in enumerate(segments):
                 try:
-                    below = self._open_below(fd, segment, create=create)
+                    below = open_below(fd, segment, create=create)
                 except FileNotFoundError:
                     if not create:
                         os.close(fd)
                         return None
                     raise
                 except OSError as exc:
-                    if exc.errno == errno.ELOOP or _is_symlink_at(fd, segment):
+                    if exc.errno == errno.ELOOP or is_symlink_at(fd, segment):
                         where = os.path.join(self.root, *segments[: depth + 1])
                         raise FailedPrecondition(
                             f"store {self.root}: {where} is a symbolic link, which a store "
@@ -290,21 +297,6 @@ class FileBackend:
             os.close(fd)
             raise
         return fd
-
-    @staticmethod
-    def _open_below(fd: int, segment: str, *, create: bool) -> int:
-        try:
-            return os.open(segment, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-        except FileNotFoundError:
-            if not create:
-                raise
-        try:
-            os.mkdir(segment, DIR_MODE, dir_fd=fd)
-        except FileExistsError:
-            pass  # made by a concurrent put, or not a directory: the open says which
-        else:
-            os.fsync(fd)
-        return os.open(segment, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
 
     def _fsync_object(self, where: tuple[tuple[str, ...], str]) -> bool:
         """fsync one object; ``False`` when it is gone (a gc removed it: gc's protocol
@@ -364,7 +356,7 @@ class FileBackend:
             for _, entry, is_dir in ordered:
                 if is_dir:
                     try:
-                        below = os.open(entry.name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dfd)
+                        below = os.open(entry.name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dfd)
                     except (FileNotFoundError, NotADirectoryError):
                         continue  # removed, or replaced by a symlink, while we listed
                     yield from self._walk(below, f"{key_prefix}{entry.name}/", "")
@@ -396,90 +388,6 @@ class FileBackend:
         if exc.errno == errno.ENAMETOOLONG:
             return InvalidArgument(f"store key {key!r} is too long for {self.root}")
         return Internal(f"store {self.root}: cannot {op} {key!r}: {reason}")
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-def _is_symlink_at(dfd: int, name: str) -> bool:
-    try:
-        return stat_mod.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _is_dir_at(dfd: int, name: str) -> bool:
-    try:
-        return stat_mod.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
-    except FileNotFoundError:
-        return False
-
-
-def _write_temp(dfd: int, data: bytes, *, durable: bool) -> str:
-    """A new temp file in the directory ``dfd`` holding ``data``; returns its name."""
-    tmp = TEMP_PREFIX + secrets.token_hex(8)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-    fd = os.open(tmp, flags, FILE_MODE, dir_fd=dfd)
-    try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        if durable:
-            os.fsync(fd)
-        else:
-            _start_writeback(fd)
-    except BaseException:
-        os.close(fd)
-        _unlink_quietly(dfd, tmp)
-        raise
-    os.close(fd)
-    return tmp
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int) -> None:
-    """Start writing ``fd``'s dirty pages to disk now, without waiting for them.
-
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the disk works while the push computes, so
-    the ``sync`` before the manifest has little left to wait for. Best effort: it commits
-    nothing (no metadata, no disk cache flush), and where it is missing nothing happens.
-    """
-    fn = getattr(_libc(), "sync_file_range", None)
-    if fn is not None:
-        whole_file = ctypes.c_int64(0)  # offset 0, length 0: to the end of the file
-        fn(ctypes.c_int(fd), whole_file, whole_file, ctypes.c_uint(_SYNC_FILE_RANGE_WRITE))
-
-
-def _syncfs(fd: int) -> None:
-    """``syncfs(fd)``: write back and commit the whole filesystem holding ``fd``.
-
-    Unlike ``sync(2)`` it touches only that filesystem, and (Linux 5.8+) it reports
-    writeback errors. Where libc has no ``syncfs`` the whole system is synced instead.
-    """
-    syncfs = getattr(_libc(), "syncfs", None)
-    if syncfs is None:
-        os.sync()
-        return
-    if syncfs(ctypes.c_int(fd)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _unlink_quietly(dfd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove temp file %s: %s", name, exc)
 
 
 def open_file_backend(url: str, options: BackendOptions) -> FileBackend:

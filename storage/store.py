@@ -9,8 +9,11 @@ Key layout (see docs/design.md)::
     migrations/                     reserved for the migration protocol
 
 Write order: chunks, a sync that makes them durable, then the manifest; readers go the other
-way. gc, retention and the lock protocol that keeps a push's chunks alive are in
-``storage/gc.py`` (and docs/design.md); this module keeps the public ``gc`` entry point.
+way. This module holds the store's state (backend, keys, index, worker pools) and its public
+methods; the work is done by one module each, to which the methods delegate:
+``storage/push.py`` (push, upload_streams), ``storage/catalog.py`` (reading, listing and
+writing manifests), ``storage/pull.py`` (pull), ``storage/verify.py`` (verify) and
+``storage/gc.py`` (gc, retention and the lock protocol that keeps a push's chunks alive).
 """
 
 from __future__ import annotations
@@ -18,38 +21,23 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import socket
-import stat
 import time
-from collections.abc import Collection, Generator, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpusnap.storage.backend import (
-    Backend,
-    BackendOptions,
-    open_backend,
-    sync_deferred,
-)
+from gpusnap.storage.backend import Backend, BackendOptions, open_backend, sync_deferred
+from gpusnap.storage.catalog import find_manifest_key, list_manifests, read_manifest
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.errors import (
-    AlreadyExists,
-    Corrupt,
-    FailedPrecondition,
-    GpusnapError,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
+from gpusnap.storage.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage.gc import (
     LOCK_PREFIX,
     LOCK_REFRESH_SECONDS,
     LOCK_STALE_SECONDS,
     GcReport,
-    LockHolder,
     collect,
     sync_index_if_gc_ran,
 )
@@ -62,18 +50,7 @@ from gpusnap.storage.keys import (
     seal,
     unseal,
 )
-from gpusnap.storage.manifest import (
-    ENVELOPE_FORMAT,
-    MANIFEST_PREFIX,
-    FileEntry,
-    Manifest,
-    ManifestSummary,
-    check_checkpoint_id,
-    check_workload,
-    manifest_key,
-    new_checkpoint_id,
-    split_manifest_key,
-)
+from gpusnap.storage.manifest import MANIFEST_PREFIX, FileEntry, Manifest, ManifestSummary
 from gpusnap.storage.pipeline import (
     CHUNK_PREFIX,
     ProgressFn,
@@ -81,40 +58,19 @@ from gpusnap.storage.pipeline import (
     PushStats,
     SourceFile,
     chunk_id_of_key,
-    chunk_key,
-    file_input,
     push_files,
     push_inputs,
     read_entry,
 )
 from gpusnap.storage.pull import pull_files
-from gpusnap.storage.streams import (
-    STREAMS_EXTRA_KEY,
-    StreamSource,
-    UploadedStreams,
-    check_stream_path,
-    cut_stream,
-    stream_kinds,
-    streams_extra,
-)
+from gpusnap.storage.push import PushResult, push_tree, upload_streams_ahead
+from gpusnap.storage.streams import StreamSource, UploadedStreams, stream_kinds
+from gpusnap.storage.verify import VerifyReport, verify_store
 
 log = logging.getLogger(__name__)
 
 MIGRATION_PREFIX = "migrations/"  # reserved: the migration protocol owns it
 RECORD_FORMAT = "gpusnap.record/1"
-
-
-@dataclass
-class PushResult:
-    checkpoint_id: str
-    bytes_total: int
-    bytes_uploaded: int
-    chunks_total: int
-    chunks_uploaded: int
-    seconds: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -127,40 +83,6 @@ class PullResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class VerifyReport:
-    checkpoints: list[str] = field(default_factory=list)
-    chunks_checked: int = 0
-    chunks_missing: list[str] = field(default_factory=list)
-    chunks_corrupt: list[str] = field(default_factory=list)
-    manifests_bad: list[str] = field(default_factory=list)
-    # Objects under manifests/ that are not manifest keys (ignored by every reader).
-    strays: list[str] = field(default_factory=list)
-    read_data: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not (self.chunks_missing or self.chunks_corrupt or self.manifests_bad or self.strays)
-
-    @property
-    def problems(self) -> list[str]:
-        return (
-            [f"manifest {m}" for m in self.manifests_bad]
-            + [
-                f"stray object {k!r} under {MANIFEST_PREFIX} (not a manifest; ignored)"
-                for k in self.strays
-            ]
-            + [f"missing chunk {c}" for c in self.chunks_missing]
-            + [f"corrupt chunk {c}" for c in self.chunks_corrupt]
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ok"] = self.ok
-        out["problems"] = self.problems
-        return out
 
 
 class CheckpointStore:
@@ -215,7 +137,7 @@ class CheckpointStore:
             what="signed record",
         )
 
-    # --- push ---------------------------------------------------------------------------
+    # --- push (storage/push.py) ---------------------------------------------------------
 
     def push(
         self,
@@ -239,152 +161,20 @@ class CheckpointStore:
         already put in the store. Both become ordinary file entries, named in
         ``extra["streams"]`` with their kind; a path may not also be a file under ``src``.
         """
-        started = time.monotonic()
-        check_workload(workload)
-        if parent is not None:
-            check_checkpoint_id(parent)
-        checkpoint_id = check_checkpoint_id(checkpoint_id) if checkpoint_id else new_checkpoint_id()
-        self._check_can_sign()
-        files = _walk(src)
-        stream_inputs, kinds = self._stream_inputs(streams, {f.path for f in files})
-        if uploaded_streams is not None:
-            taken = {f.path for f in files} | set(kinds)
-            for entry in uploaded_streams.entries:
-                if entry.path in taken:
-                    raise InvalidArgument(f"stream {entry.path!r} collides with another entry")
-            kinds.update(uploaded_streams.kinds)
-        if kinds and extra is not None and STREAMS_EXTRA_KEY in extra:
-            raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
-        created_at = time.time()
-        lock = LockHolder(
-            self.backend,
-            f"{LOCK_PREFIX}push-{checkpoint_id}",
-            {"host": socket.gethostname(), "pid": os.getpid(), "started_at": created_at},
-            self.lock_refresh_seconds,
+        return push_tree(
+            self,
+            src,
+            workload=workload,
+            parent=parent,
+            stamp=stamp,
+            spec=spec,
+            progress=progress,
+            compress=compress,
+            checkpoint_id=checkpoint_id,
+            extra=extra,
+            streams=streams,
+            uploaded_streams=uploaded_streams,
         )
-        lock.start()
-        try:
-            self._sync_index_if_gc_ran()
-            if stream_inputs:
-                entries, stats = self._upload_inputs(
-                    [file_input(f, self._chunker) for f in files] + stream_inputs,
-                    compress,
-                    progress,
-                )
-            else:
-                entries, stats = self._upload(files, compress, progress)
-            if uploaded_streams is not None:
-                entries = entries + uploaded_streams.entries
-                stats.bytes_total += uploaded_streams.bytes_total
-                stats.chunks_total += uploaded_streams.chunks_total
-                stats.bytes_uploaded += uploaded_streams.bytes_uploaded
-                stats.chunks_uploaded += uploaded_streams.chunks_uploaded
-            # A gc that may have swept while this push ran could have removed chunks the index
-            # said were there: wait for it, re-list, and upload whatever is missing.
-            if self._sync_index_if_gc_ran(wait_for_running=True):
-                missing = {c.id for e in entries for c in e.chunks if not self.index.contains(c.id)}
-                lost = sorted(
-                    e.path
-                    for e in entries
-                    if e.path in kinds and missing & {c.id for c in e.chunks}
-                )
-                if lost:
-                    # A stream cannot be read twice (GPU memory is gone once copied).
-                    raise Unavailable(
-                        f"a gc removed chunks of stream {lost[0]} while it was pushed; "
-                        f"checkpoint {checkpoint_id} not committed"
-                    )
-                if missing:
-                    streamed = [e for e in entries if e.path in kinds]
-                    log.info(
-                        "a gc removed %d chunks push %s needs; uploading them again",
-                        len(missing),
-                        checkpoint_id,
-                    )
-                    entries, again = self._upload(files, compress, None)
-                    entries = entries + streamed
-                    stats.bytes_uploaded += again.bytes_uploaded
-                    stats.chunks_uploaded += again.chunks_uploaded
-            # Write order: every chunk durable, then the manifest that names them.
-            self._make_durable()
-            seconds = time.monotonic() - started
-            manifest = Manifest(
-                checkpoint_id=checkpoint_id,
-                workload=workload,
-                created_at=created_at,
-                parent=parent,
-                stamp=stamp or {},
-                spec=spec or {},
-                files=entries,
-                totals={
-                    "bytes_total": stats.bytes_total,
-                    "bytes_stored": stats.bytes_uploaded,
-                    "chunks_total": stats.chunks_total,
-                    "chunks_new": stats.chunks_uploaded,
-                    "seconds": round(seconds, 3),
-                },
-                extra=_with_streams(extra, kinds),
-            )
-            blob = seal(
-                ENVELOPE_FORMAT,
-                manifest.to_json(),
-                signer=self._signer,
-                encryption=self._encryption,
-            )
-            try:
-                self.backend.put(manifest_key(workload, checkpoint_id), blob, if_absent=True)
-            except AlreadyExists as exc:
-                raise AlreadyExists(f"checkpoint {checkpoint_id} already exists") from exc
-        finally:
-            lock.stop()
-            try:
-                self.backend.delete(lock.key)
-            except GpusnapError as exc:
-                log.warning("could not remove lock %s: %s", lock.key, exc)
-        if progress is not None:
-            progress(stats.bytes_total, stats.bytes_total)
-        log.info(
-            "pushed %s: %d bytes, %d uploaded in %.2fs",
-            checkpoint_id,
-            stats.bytes_total,
-            stats.bytes_uploaded,
-            seconds,
-        )
-        return PushResult(
-            checkpoint_id,
-            stats.bytes_total,
-            stats.bytes_uploaded,
-            stats.chunks_total,
-            stats.chunks_uploaded,
-            seconds,
-        )
-
-    def _check_can_sign(self) -> None:
-        if self._signer is None and self.verify_manifests:
-            raise FailedPrecondition("pushing needs a signing key file (or verification off)")
-        if self._signer is not None and self._signer.private_key is None:
-            raise FailedPrecondition("signing needs the private key; this key file is public only")
-
-    def _stream_inputs(
-        self, streams: Mapping[str, StreamSource] | None, taken: Collection[str]
-    ) -> tuple[builtins.list[PushInput], dict[str, str]]:
-        inputs: builtins.list[PushInput] = []
-        kinds: dict[str, str] = {}
-        for path, source in sorted((streams or {}).items()):
-            check_stream_path(path)
-            if path in taken:
-                raise InvalidArgument(f"stream {path!r} collides with a file of the same name")
-            if source.size < 0:
-                raise InvalidArgument(f"stream {path!r} declares a negative size")
-            kinds[path] = source.kind
-
-            def chunks(
-                path: str = path, source: StreamSource = source
-            ) -> Generator[memoryview, None, None]:
-                return cut_stream(self._chunker, source, path)
-
-            inputs.append(PushInput(path, source.size, source.mode & 0o777, chunks))
-        return inputs, kinds
 
     def upload_streams(
         self,
@@ -399,20 +189,7 @@ class CheckpointStore:
         memory copied with custom storage, before CRIU dumps the process). No manifest is
         written: pass the result to ``push(..., uploaded_streams=...)``.
         """
-        started = time.monotonic()
-        self._check_can_sign()
-        inputs, kinds = self._stream_inputs(streams, ())
-        self._sync_index_if_gc_ran()
-        entries, stats = self._upload_inputs(inputs, compress, progress)
-        return UploadedStreams(
-            entries=entries,
-            kinds=kinds,
-            bytes_total=stats.bytes_total,
-            bytes_uploaded=stats.bytes_uploaded,
-            chunks_total=stats.chunks_total,
-            chunks_uploaded=stats.chunks_uploaded,
-            seconds=time.monotonic() - started,
-        )
+        return upload_streams_ahead(self, streams, compress=compress, progress=progress)
 
     def _upload_inputs(
         self, inputs: builtins.list[PushInput], compress: bool | None, progress: ProgressFn | None
@@ -461,55 +238,20 @@ class CheckpointStore:
         sync_deferred(self.backend)
         return self.index.replace_all(entries, listed_at)
 
-    def _make_durable(self) -> None:
-        """Make every pending chunk durable (one backend sync), and say so in the index.
-
-        The pending entries are read before the sync starts, so each was added after its
-        put returned: the sync covers it. They are this push's chunks and any left pending
-        by earlier pushes of this boot (killed ones included) that this push may reference.
-        """
-        pending = self.index.pending()
-        started = time.monotonic()
-        sync_deferred(self.backend, [chunk_key(chunk_id) for chunk_id, _mark in pending])
-        self.index.mark_synced(pending)
-        log.debug(
-            "synced the store for %d pending chunks in %.3fs",
-            len(pending),
-            time.monotonic() - started,
-        )
-
-    # --- reading manifests --------------------------------------------------------------
-
-    def _find_manifest_key(self, checkpoint_id: str) -> str:
-        check_checkpoint_id(checkpoint_id)
-        for info in self.backend.list(MANIFEST_PREFIX):
-            parts = split_manifest_key(info.key)
-            if parts is not None and parts[1] == checkpoint_id:
-                return info.key
-        raise NotFound(f"checkpoint {checkpoint_id} not found")
+    # --- reading manifests (storage/catalog.py) -----------------------------------------
 
     def _read_manifest(self, key: str, *, verify: bool | None = None) -> Manifest:
-        parts = split_manifest_key(key)
-        if parts is None:
-            raise Corrupt(f"store object {key} is not a manifest key")
-        workload, checkpoint_id = parts
-        blob = self.backend.get(key)
-        payload = unseal(
-            blob,
-            ENVELOPE_FORMAT,
+        return read_manifest(
+            self.backend,
+            key,
             signer=self._signer,
             encryption=self._encryption,
             verify=self.verify_manifests if verify is None else verify,
-            what=f"manifest {checkpoint_id}",
         )
-        manifest = Manifest.from_json(payload)
-        if manifest.checkpoint_id != checkpoint_id or manifest.workload != workload:
-            raise Corrupt(f"manifest {key} describes {manifest.workload}/{manifest.checkpoint_id}")
-        return manifest
 
     def manifest(self, checkpoint_id: str) -> Manifest:
         """The checkpoint's manifest, fetched and authenticated (``NotFound`` / ``Corrupt``)."""
-        return self._read_manifest(self._find_manifest_key(checkpoint_id))
+        return self._read_manifest(find_manifest_key(self.backend, checkpoint_id))
 
     def list(self, workload: str | None = None) -> builtins.list[ManifestSummary]:
         """Checkpoints, newest first. Manifests that fail their checks are left out (logged)."""
@@ -524,23 +266,7 @@ class CheckpointStore:
         of the list; a caller showing the list to a person should say so, or a wrong key
         looks like an empty store.
         """
-        prefix = (
-            MANIFEST_PREFIX if workload is None else f"{MANIFEST_PREFIX}{check_workload(workload)}/"
-        )
-        out: builtins.list[ManifestSummary] = []
-        skipped: builtins.list[tuple[str, GpusnapError]] = []
-        for info in self.backend.list(prefix):
-            if split_manifest_key(info.key) is None:
-                log.warning("skipping %r: not a manifest key", info.key)
-                continue
-            try:
-                out.append(ManifestSummary.of(self._read_manifest(info.key)))
-            except (Corrupt, NotFound, FailedPrecondition) as exc:
-                if not isinstance(exc, NotFound):  # deleted while we listed: not a problem
-                    skipped.append((info.key, exc))
-                log.warning("skipping %s: %s", info.key, exc)
-        out.sort(key=lambda s: (s.created_at, s.checkpoint_id), reverse=True)
-        return out, skipped
+        return list_manifests(self.backend, workload, self._read_manifest)
 
     def latest(self, workload: str) -> ManifestSummary | None:
         found = self.list(workload)
@@ -619,56 +345,14 @@ class CheckpointStore:
         self, ids: builtins.list[str] | None = None, *, read_data: bool = False
     ) -> VerifyReport:
         """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks."""
-        report = VerifyReport(read_data=read_data)
-        if ids is None:
-            keys = []
-            for info in self.backend.list(MANIFEST_PREFIX):
-                if split_manifest_key(info.key) is None:
-                    report.strays.append(info.key)
-                else:
-                    keys.append(info.key)
-        else:
-            keys = [self._find_manifest_key(i) for i in ids]
-        referenced: dict[str, str] = {}  # chunk id -> a checkpoint that uses it
-        sizes: dict[str, int] = {}  # chunk id -> its size, as the manifests declare it
-        for key in keys:
-            checkpoint_id = key.rpartition("/")[2]
-            try:
-                manifest = self._read_manifest(key)
-            except (Corrupt, NotFound) as exc:
-                report.manifests_bad.append(f"{checkpoint_id}: {exc}")
-                continue
-            report.checkpoints.append(checkpoint_id)
-            for entry in manifest.files:
-                for ref in entry.chunks:
-                    referenced.setdefault(ref.id, checkpoint_id)
-                    if sizes.setdefault(ref.id, ref.size) != ref.size:
-                        report.chunks_corrupt.append(
-                            f"{ref.id}: declared with {sizes[ref.id]} bytes by checkpoint "
-                            f"{referenced[ref.id]} and {ref.size} by {checkpoint_id}"
-                        )
-        present = {
-            cid for info in self.backend.list(CHUNK_PREFIX) if (cid := chunk_id_of_key(info.key))
-        }
-        for chunk_id, checkpoint_id in sorted(referenced.items()):
-            if chunk_id not in present:
-                report.chunks_missing.append(f"{chunk_id} (checkpoint {checkpoint_id})")
-        report.chunks_checked = len(referenced)
-        if read_data:
-            to_read = [c for c in referenced if c in present]
-
-            def check(chunk_id: str) -> str | None:
-                try:
-                    obj = self.backend.get(chunk_key(chunk_id))
-                    self._codec.decode(chunk_id, obj, sizes[chunk_id])
-                except (Corrupt, NotFound) as exc:
-                    return f"{chunk_id} (checkpoint {referenced[chunk_id]}): {exc}"
-                return None
-
-            for problem in self._executor.map(check, to_read):
-                if problem is not None:
-                    report.chunks_corrupt.append(problem)
-        return report
+        return verify_store(
+            self.backend,
+            ids,
+            read_manifest=self._read_manifest,
+            codec=self._codec,
+            executor=self._executor,
+            read_data=read_data,
+        )
 
     # --- gc (storage/gc.py) -------------------------------------------------------------
 
@@ -696,50 +380,6 @@ class CheckpointStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _with_streams(extra: dict[str, Any] | None, kinds: Mapping[str, str]) -> dict[str, Any]:
-    out = dict(extra or {})
-    if kinds:
-        out[STREAMS_EXTRA_KEY] = streams_extra(kinds)
-    return out
-
-
-def _walk(src: Path) -> list[SourceFile]:
-    """Every regular file under ``src``, sorted; anything else is refused (nothing is lost)."""
-    try:
-        st = src.stat()
-    except FileNotFoundError as exc:
-        raise NotFound(f"source directory {src} does not exist") from exc
-    except OSError as exc:
-        raise InvalidArgument(f"cannot read {src}: {exc.strerror}") from exc
-    if not stat.S_ISDIR(st.st_mode):
-        raise InvalidArgument(f"{src} is not a directory")
-    files: list[SourceFile] = []
-
-    def visit(directory: Path, rel: str) -> None:
-        try:
-            names = sorted(os.listdir(directory))
-        except OSError as exc:
-            raise InvalidArgument(f"cannot list {directory}: {exc.strerror}") from exc
-        for name in names:
-            path = directory / name
-            rel_path = f"{rel}{name}"
-            try:
-                st = path.lstat()
-            except OSError as exc:
-                raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from exc
-            if stat.S_ISDIR(st.st_mode):
-                visit(path, f"{rel_path}/")
-            elif stat.S_ISREG(st.st_mode):
-                files.append(
-                    SourceFile(rel_path, path, st.st_size, stat.S_IMODE(st.st_mode) & 0o777)
-                )
-            else:
-                raise InvalidArgument(f"{path} is not a regular file or directory; not pushed")
-
-    visit(src, "")
-    return files
 
 
 def open_store(
@@ -772,7 +412,10 @@ def open_store(
         raise
 
 
+# The key prefixes are re-exported: they name the layout in this module's docstring.
 __all__ = [
+    "LOCK_PREFIX",
+    "MANIFEST_PREFIX",
     "CheckpointStore",
     "GcReport",
     "PullResult",

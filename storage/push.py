@@ -1,0 +1,338 @@
+"""A push: a directory tree (and streams) uploaded as chunks, then committed by its manifest.
+
+Write order (docs/design.md): chunks, one sync that makes them durable, then the manifest.
+A push holds ``locks/push-<ckpt id>`` while it runs and, before committing, checks whether a
+gc swept meanwhile; if one did, chunks its index said were in the store are uploaded again
+(gc's side of the protocol is in ``storage/gc.py``). Streams (``storage/streams.py``) become
+ordinary file entries; ``upload_streams_ahead`` puts them in the store before the push that
+names them. The functions here work on a ``PushHost`` (the ``CheckpointStore``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Collection, Generator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpusnap.storage.backend import Backend, sync_deferred
+from gpusnap.storage.catalog import write_manifest
+from gpusnap.storage.chunker import Chunker
+from gpusnap.storage.errors import (
+    FailedPrecondition,
+    GpusnapError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from gpusnap.storage.gc import LOCK_PREFIX, LockHolder
+from gpusnap.storage.index import ChunkIndex
+from gpusnap.storage.keys import EncryptionKeys, SigningKey
+from gpusnap.storage.manifest import (
+    FileEntry,
+    Manifest,
+    check_checkpoint_id,
+    check_workload,
+    new_checkpoint_id,
+)
+from gpusnap.storage.pipeline import (
+    ProgressFn,
+    PushInput,
+    PushStats,
+    SourceFile,
+    chunk_key,
+    file_input,
+)
+from gpusnap.storage.streams import (
+    STREAMS_EXTRA_KEY,
+    StreamSource,
+    UploadedStreams,
+    check_stream_path,
+    cut_stream,
+    streams_extra,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PushResult:
+    checkpoint_id: str
+    bytes_total: int
+    bytes_uploaded: int
+    chunks_total: int
+    chunks_uploaded: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class PushHost(Protocol):
+    """What a push needs of a store (``CheckpointStore`` is one)."""
+
+    backend: Backend
+    index: ChunkIndex
+    verify_manifests: bool
+    lock_refresh_seconds: float
+    _signer: SigningKey | None
+    _encryption: EncryptionKeys | None
+    _chunker: Chunker
+
+    def _upload(
+        self, files: list[SourceFile], compress: bool | None, progress: ProgressFn | None
+    ) -> tuple[list[FileEntry], PushStats]: ...
+
+    def _upload_inputs(
+        self, inputs: list[PushInput], compress: bool | None, progress: ProgressFn | None
+    ) -> tuple[list[FileEntry], PushStats]: ...
+
+    def _sync_index_if_gc_ran(self, *, wait_for_running: bool = False) -> bool: ...
+
+
+def push_tree(
+    host: PushHost,
+    src: Path,
+    *,
+    workload: str,
+    parent: str | None,
+    stamp: dict[str, Any] | None,
+    spec: dict[str, Any] | None,
+    progress: ProgressFn | None,
+    compress: bool | None,
+    checkpoint_id: str | None,
+    extra: dict[str, Any] | None,
+    streams: Mapping[str, StreamSource] | None,
+    uploaded_streams: UploadedStreams | None,
+) -> PushResult:
+    """``CheckpointStore.push``: upload ``src`` (and streams), then commit the manifest."""
+    started = time.monotonic()
+    check_workload(workload)
+    if parent is not None:
+        check_checkpoint_id(parent)
+    checkpoint_id = check_checkpoint_id(checkpoint_id) if checkpoint_id else new_checkpoint_id()
+    _check_can_sign(host._signer, host.verify_manifests)
+    files = _walk(src)
+    stream_inputs, kinds = _stream_inputs(host._chunker, streams, {f.path for f in files})
+    if uploaded_streams is not None:
+        taken = {f.path for f in files} | set(kinds)
+        for entry in uploaded_streams.entries:
+            if entry.path in taken:
+                raise InvalidArgument(f"stream {entry.path!r} collides with another entry")
+        kinds.update(uploaded_streams.kinds)
+    if kinds and extra is not None and STREAMS_EXTRA_KEY in extra:
+        raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
+    created_at = time.time()
+    lock = LockHolder(
+        host.backend,
+        f"{LOCK_PREFIX}push-{checkpoint_id}",
+        {"host": socket.gethostname(), "pid": os.getpid(), "started_at": created_at},
+        host.lock_refresh_seconds,
+    )
+    lock.start()
+    try:
+        host._sync_index_if_gc_ran()
+        if stream_inputs:
+            entries, stats = host._upload_inputs(
+                [file_input(f, host._chunker) for f in files] + stream_inputs,
+                compress,
+                progress,
+            )
+        else:
+            entries, stats = host._upload(files, compress, progress)
+        if uploaded_streams is not None:
+            entries = entries + uploaded_streams.entries
+            stats.bytes_total += uploaded_streams.bytes_total
+            stats.chunks_total += uploaded_streams.chunks_total
+            stats.bytes_uploaded += uploaded_streams.bytes_uploaded
+            stats.chunks_uploaded += uploaded_streams.chunks_uploaded
+        # A gc that may have swept while this push ran could have removed chunks the index
+        # said were there: wait for it, re-list, and upload whatever is missing.
+        if host._sync_index_if_gc_ran(wait_for_running=True):
+            missing = {c.id for e in entries for c in e.chunks if not host.index.contains(c.id)}
+            lost = sorted(
+                e.path for e in entries if e.path in kinds and missing & {c.id for c in e.chunks}
+            )
+            if lost:
+                # A stream cannot be read twice (GPU memory is gone once copied).
+                raise Unavailable(
+                    f"a gc removed chunks of stream {lost[0]} while it was pushed; "
+                    f"checkpoint {checkpoint_id} not committed"
+                )
+            if missing:
+                streamed = [e for e in entries if e.path in kinds]
+                log.info(
+                    "a gc removed %d chunks push %s needs; uploading them again",
+                    len(missing),
+                    checkpoint_id,
+                )
+                entries, again = host._upload(files, compress, None)
+                entries = entries + streamed
+                stats.bytes_uploaded += again.bytes_uploaded
+                stats.chunks_uploaded += again.chunks_uploaded
+        # Write order: every chunk durable, then the manifest that names them.
+        make_durable(host.backend, host.index)
+        seconds = time.monotonic() - started
+        manifest = Manifest(
+            checkpoint_id=checkpoint_id,
+            workload=workload,
+            created_at=created_at,
+            parent=parent,
+            stamp=stamp or {},
+            spec=spec or {},
+            files=entries,
+            totals={
+                "bytes_total": stats.bytes_total,
+                "bytes_stored": stats.bytes_uploaded,
+                "chunks_total": stats.chunks_total,
+                "chunks_new": stats.chunks_uploaded,
+                "seconds": round(seconds, 3),
+            },
+            extra=_with_streams(extra, kinds),
+        )
+        write_manifest(host.backend, manifest, signer=host._signer, encryption=host._encryption)
+    finally:
+        lock.stop()
+        try:
+            host.backend.delete(lock.key)
+        except GpusnapError as exc:
+            log.warning("could not remove lock %s: %s", lock.key, exc)
+    if progress is not None:
+        progress(stats.bytes_total, stats.bytes_total)
+    log.info(
+        "pushed %s: %d bytes, %d uploaded in %.2fs",
+        checkpoint_id,
+        stats.bytes_total,
+        stats.bytes_uploaded,
+        seconds,
+    )
+    return PushResult(
+        checkpoint_id,
+        stats.bytes_total,
+        stats.bytes_uploaded,
+        stats.chunks_total,
+        stats.chunks_uploaded,
+        seconds,
+    )
+
+
+def upload_streams_ahead(
+    host: PushHost,
+    streams: Mapping[str, StreamSource],
+    *,
+    compress: bool | None,
+    progress: ProgressFn | None,
+) -> UploadedStreams:
+    """``CheckpointStore.upload_streams``: put the chunks of ``streams`` now; no manifest."""
+    started = time.monotonic()
+    _check_can_sign(host._signer, host.verify_manifests)
+    inputs, kinds = _stream_inputs(host._chunker, streams, ())
+    host._sync_index_if_gc_ran()
+    entries, stats = host._upload_inputs(inputs, compress, progress)
+    return UploadedStreams(
+        entries=entries,
+        kinds=kinds,
+        bytes_total=stats.bytes_total,
+        bytes_uploaded=stats.bytes_uploaded,
+        chunks_total=stats.chunks_total,
+        chunks_uploaded=stats.chunks_uploaded,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _check_can_sign(signer: SigningKey | None, verify_manifests: bool) -> None:
+    """Refuse, before any upload, a push whose manifest could not be signed."""
+    if signer is None and verify_manifests:
+        raise FailedPrecondition("pushing needs a signing key file (or verification off)")
+    if signer is not None and signer.private_key is None:
+        raise FailedPrecondition("signing needs the private key; this key file is public only")
+
+
+def _stream_inputs(
+    chunker: Chunker, streams: Mapping[str, StreamSource] | None, taken: Collection[str]
+) -> tuple[list[PushInput], dict[str, str]]:
+    """Push inputs for ``streams`` and their kinds by path; a path in ``taken`` is refused."""
+    inputs: list[PushInput] = []
+    kinds: dict[str, str] = {}
+    for path, source in sorted((streams or {}).items()):
+        check_stream_path(path)
+        if path in taken:
+            raise InvalidArgument(f"stream {path!r} collides with a file of the same name")
+        if source.size < 0:
+            raise InvalidArgument(f"stream {path!r} declares a negative size")
+        kinds[path] = source.kind
+
+        def chunks(
+            path: str = path, source: StreamSource = source
+        ) -> Generator[memoryview, None, None]:
+            return cut_stream(chunker, source, path)
+
+        inputs.append(PushInput(path, source.size, source.mode & 0o777, chunks))
+    return inputs, kinds
+
+
+def make_durable(backend: Backend, index: ChunkIndex) -> None:
+    """Make every pending chunk durable (one backend sync), and say so in the index.
+
+    The pending entries are read before the sync starts, so each was added after its
+    put returned: the sync covers it. They are this push's chunks and any left pending
+    by earlier pushes of this boot (killed ones included) that this push may reference.
+    """
+    pending = index.pending()
+    started = time.monotonic()
+    sync_deferred(backend, [chunk_key(chunk_id) for chunk_id, _mark in pending])
+    index.mark_synced(pending)
+    log.debug(
+        "synced the store for %d pending chunks in %.3fs",
+        len(pending),
+        time.monotonic() - started,
+    )
+
+
+def _with_streams(extra: dict[str, Any] | None, kinds: Mapping[str, str]) -> dict[str, Any]:
+    out = dict(extra or {})
+    if kinds:
+        out[STREAMS_EXTRA_KEY] = streams_extra(kinds)
+    return out
+
+
+def _walk(src: Path) -> list[SourceFile]:
+    """Every regular file under ``src``, sorted; anything else is refused (nothing is lost)."""
+    try:
+        st = src.stat()
+    except FileNotFoundError as exc:
+        raise NotFound(f"source directory {src} does not exist") from exc
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {src}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"{src} is not a directory")
+    files: list[SourceFile] = []
+
+    def visit(directory: Path, rel: str) -> None:
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError as exc:
+            raise InvalidArgument(f"cannot list {directory}: {exc.strerror}") from exc
+        for name in names:
+            path = directory / name
+            rel_path = f"{rel}{name}"
+            try:
+                st = path.lstat()
+            except OSError as exc:
+                raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from exc
+            if stat.S_ISDIR(st.st_mode):
+                visit(path, f"{rel_path}/")
+            elif stat.S_ISREG(st.st_mode):
+                files.append(
+                    SourceFile(rel_path, path, st.st_size, stat.S_IMODE(st.st_mode) & 0o777)
+                )
+            else:
+                raise InvalidArgument(f"{path} is not a regular file or directory; not pushed")
+
+    visit(src, "")
+    return files
