@@ -17,7 +17,7 @@ import errno
 import logging
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ from gpusnap.storage.errors import (
     InvalidArgument,
     NotFound,
 )
+from gpusnap.storage.follow import ChunkIdFn, cut_following
 from gpusnap.storage.index import ChunkIndex
 from gpusnap.storage.manifest import ChunkRef, FileEntry
 
@@ -135,6 +136,9 @@ class Run:
             raise self.error
 
 
+_Named = tuple[memoryview, str | None]  # a chunk and its id, when already computed
+
+
 @dataclass
 class PushInput:
     """One entry to push: a file, or a stream (``storage.streams``) that has no file."""
@@ -146,6 +150,16 @@ class PushInput:
     # Whether ``chunks`` may run on a helper thread, ahead of the calling thread (files:
     # yes; streams: no, their producer may be tied to the calling thread, e.g. a CUDA one).
     cut_ahead: bool = False
+    # When set, used instead of ``chunks``: chunks with their ids where already computed.
+    named_chunks: Callable[[], Generator[_Named, None, None]] | None = None
+
+    def named(self) -> Generator[_Named, None, None]:
+        if self.named_chunks is not None:
+            yield from self.named_chunks()
+            return
+        with contextlib.closing(self.chunks()) as chunks:
+            for chunk in chunks:
+                yield chunk, None
 
 
 _END = object()
@@ -153,9 +167,6 @@ _END = object()
 # cutter may run ahead (views into mapped files: address space and page cache, no copies).
 CUT_AHEAD_INPUTS = 3
 CUT_AHEAD_CHUNKS = 4096
-
-
-_Named = tuple[memoryview, str | None]  # a chunk and its id, when already computed
 
 
 class _CutAhead:
@@ -177,10 +188,10 @@ class _CutAhead:
 
     def _run(self, src: PushInput) -> None:
         try:
-            with contextlib.closing(src.chunks()) as chunks:
-                for chunk in chunks:
-                    if not self._offer((chunk, None)):
-                        chunk.release()
+            with contextlib.closing(src.named()) as chunks:
+                for item in chunks:
+                    if not self._offer(item):
+                        item[0].release()
                         return
             self._offer(_END)
         except BaseException as exc:  # handed to the consumer, which raises it
@@ -225,14 +236,16 @@ class _CutAhead:
                 item[0].release()
 
 
-def _unnamed(src: PushInput) -> Generator[_Named, None, None]:
-    with contextlib.closing(src.chunks()) as chunks:
-        for chunk in chunks:
-            yield chunk, None
+def file_input(
+    src: SourceFile,
+    chunker: Chunker,
+    parent: FileEntry | None = None,
+    chunk_id: ChunkIdFn | None = None,
+) -> PushInput:
+    """A file to push; with ``parent`` (its entry in the parent checkpoint) and ``chunk_id``,
+    cut along the parent's boundaries where the bytes prove them (``storage/follow.py``)."""
 
-
-def file_input(src: SourceFile, chunker: Chunker) -> PushInput:
-    def chunks() -> Generator[memoryview, None, None]:
+    def named() -> Generator[_Named, None, None]:
         if src.size == 0:
             return
         try:
@@ -242,12 +255,21 @@ def file_input(src: SourceFile, chunker: Chunker) -> PushInput:
         try:
             if len(view) != src.size:
                 raise InvalidArgument(f"{src.abs_path} changed size while being pushed")
-            for offset, length in chunker.cut(view):
-                yield view[offset : offset + length]
+            if parent is not None and parent.chunks and chunk_id is not None:
+                for offset, length, cid in cut_following(view, chunker, parent.chunks, chunk_id):
+                    yield view[offset : offset + length], cid
+            else:
+                for offset, length in chunker.cut(view):
+                    yield view[offset : offset + length], None
         finally:
             view.release()  # the map goes away when the last slice is released
 
-    return PushInput(src.path, src.size, src.mode, chunks, cut_ahead=True)
+    def chunks() -> Generator[memoryview, None, None]:
+        with contextlib.closing(named()) as items:
+            for chunk, _cid in items:
+                yield chunk
+
+    return PushInput(src.path, src.size, src.mode, chunks, cut_ahead=True, named_chunks=named)
 
 
 def push_files(
@@ -262,10 +284,16 @@ def push_files(
     budget_bytes: int,
     compress: bool,
     progress: ProgressFn | None,
+    parents: Mapping[str, FileEntry] | None = None,
 ) -> tuple[list[FileEntry], PushStats]:
-    """Chunk, dedup and upload ``files``; return their entries once every put has returned."""
+    """Chunk, dedup and upload ``files``; return their entries once every put has returned.
+
+    ``parents`` maps paths to their entries in the parent checkpoint: those files are cut
+    along the parent's boundaries where the bytes prove them.
+    """
+    parents = parents or {}
     return push_inputs(
-        [file_input(f, chunker) for f in files],
+        [file_input(f, chunker, parents.get(f.path), codec.chunk_id) for f in files],
         backend=backend,
         codec=codec,
         index=index,
@@ -292,7 +320,7 @@ def push_inputs(
     """Chunk, dedup and upload ``inputs`` (files or streams), in order.
 
     Returns their entries once every put has returned. Puts may not be durable yet: the
-    caller makes them so (``CheckpointStore._make_durable``) before a manifest names them.
+    caller makes them so (``storage.push.make_durable``) before a manifest names them.
     A stream is consumed exactly once, by the calling thread; an error it raises aborts the
     push like any other.
     """
@@ -363,7 +391,7 @@ def push_inputs(
                 if inputs[ahead].cut_ahead and ahead not in cutters:
                     cutters[ahead] = _CutAhead(inputs[ahead])
             cutter = cutters.get(i)
-            with contextlib.closing(cutter.chunks() if cutter else _unnamed(src)) as chunks:
+            with contextlib.closing(cutter.chunks() if cutter else src.named()) as chunks:
                 for chunk, named in chunks:
                     length = len(chunk)
                     try:

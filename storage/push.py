@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from gpusnap.storage.backend import Backend, sync_deferred
 from gpusnap.storage.catalog import write_manifest
 from gpusnap.storage.chunker import Chunker
+from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.errors import (
     FailedPrecondition,
     GpusnapError,
@@ -83,9 +84,16 @@ class PushHost(Protocol):
     _signer: SigningKey | None
     _encryption: EncryptionKeys | None
     _chunker: Chunker
+    _codec: ChunkCodec
+
+    def manifest(self, checkpoint_id: str) -> Manifest: ...
 
     def _upload(
-        self, files: list[SourceFile], compress: bool | None, progress: ProgressFn | None
+        self,
+        files: list[SourceFile],
+        compress: bool | None,
+        progress: ProgressFn | None,
+        parents: Mapping[str, FileEntry] | None = None,
     ) -> tuple[list[FileEntry], PushStats]: ...
 
     def _upload_inputs(
@@ -93,6 +101,22 @@ class PushHost(Protocol):
     ) -> tuple[list[FileEntry], PushStats]: ...
 
     def _sync_index_if_gc_ran(self, *, wait_for_running: bool = False) -> bool: ...
+
+
+def _parent_entries(host: PushHost, parent: str | None) -> dict[str, FileEntry]:
+    """The parent checkpoint's file entries by path: where to try cutting first.
+
+    Only a hint (``storage/follow.py`` proves every boundary by its hash): a parent that
+    cannot be read costs the shortcut, not the push.
+    """
+    if parent is None:
+        return {}
+    try:
+        manifest = host.manifest(parent)
+    except GpusnapError as exc:
+        log.info("parent %s not readable (%s); cutting without it", parent, exc)
+        return {}
+    return {entry.path: entry for entry in manifest.files}
 
 
 def push_tree(
@@ -137,14 +161,19 @@ def push_tree(
     lock.start()
     try:
         host._sync_index_if_gc_ran()
+        parents = _parent_entries(host, parent)
         if stream_inputs:
             entries, stats = host._upload_inputs(
-                [file_input(f, host._chunker) for f in files] + stream_inputs,
+                [
+                    file_input(f, host._chunker, parents.get(f.path), host._codec.chunk_id)
+                    for f in files
+                ]
+                + stream_inputs,
                 compress,
                 progress,
             )
         else:
-            entries, stats = host._upload(files, compress, progress)
+            entries, stats = host._upload(files, compress, progress, parents)
         if uploaded_streams is not None:
             entries = entries + uploaded_streams.entries
             stats.bytes_total += uploaded_streams.bytes_total

@@ -207,7 +207,11 @@ class CheckpointStore:
         )
 
     def _upload(
-        self, files: builtins.list[SourceFile], compress: bool | None, progress: ProgressFn | None
+        self,
+        files: builtins.list[SourceFile],
+        compress: bool | None,
+        progress: ProgressFn | None,
+        parents: Mapping[str, FileEntry] | None = None,
     ) -> tuple[builtins.list[FileEntry], PushStats]:
         return push_files(
             files,
@@ -220,6 +224,7 @@ class CheckpointStore:
             budget_bytes=self._budget,
             compress=compress is not False,
             progress=progress,
+            parents=parents,
         )
 
     # --- the index and gc records -------------------------------------------------------
