@@ -16,6 +16,9 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   in — a transient systemd scope where systemd is PID 1 — instead of CRIU recreating the old
   cgroup paths behind the service manager's back.
 - ``--restore-detached``: CRIU exits once the tree runs; the tree does not depend on the caller.
+- ``--auto-dedup`` on the restore from a pull's staging only (``daemon/flows.py``): each page
+  is punched out of the images once restored, so the restored memory reuses those warm pages;
+  never on a rescue from local images, which may have to be kept.
 
 The dump records the options it used in ``gpusnap-criu.json`` next to the images, so a restore
 (on any node, from the store) passes the matching ones.
@@ -23,6 +26,8 @@ The dump records the options it used in ``gpusnap-criu.json`` next to the images
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -30,6 +35,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -424,3 +430,25 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def _fmt(ver: tuple[int, int, int]) -> str:
     return ".".join(str(v) for v in ver)
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def can_punch_holes(directory: Path) -> bool:
+    """Whether files in ``directory`` can have holes punched (what ``--auto-dedup`` needs).
+
+    tmpfs, ext4, xfs and btrfs can; some network and FUSE filesystems cannot, and a restore
+    with ``--auto-dedup`` there would fail. Probed on a scratch file, which is removed.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        with tempfile.TemporaryFile(dir=directory) as fh:
+            fh.write(b"\1" * 8192)
+            fh.flush()
+            mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+            ok = libc.fallocate(fh.fileno(), mode, ctypes.c_long(0), ctypes.c_long(4096)) == 0
+    except OSError:
+        return False
+    return bool(ok)

@@ -43,6 +43,38 @@ def test_a_job_runs_to_success_with_phases_progress_and_result(tmp_path: Path) -
     assert ex.get(job.id).progress.bytes_done == 50
 
 
+def test_rapid_progress_wakes_watchers_at_most_every_interval_but_get_sees_it_all(
+    tmp_path: Path,
+) -> None:
+    ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
+    reported = threading.Event()
+    release = threading.Event()
+
+    def body(ctx: JobContext) -> None:
+        ctx.phase(Phase.UPLOAD)
+        for i in range(1, 2000):
+            ctx.progress(i, 2000)  # far more often than once per notify interval
+        reported.set()
+        release.wait(30)
+
+    job = ex.submit(JobKind.CHECKPOINT, "w", body)
+    snapshots: list[Job] = []
+
+    def watch() -> None:
+        snapshots.extend(ex.watch(job.id))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    assert reported.wait(30)
+    # Quiet updates still land: a get sees the latest figures, not the last notified ones.
+    assert ex.get(job.id).progress.bytes_done == 1999
+    release.set()
+    watcher.join(30)
+    uploads = [s for s in snapshots if s.phase is Phase.UPLOAD]
+    assert len(uploads) < 100
+    assert snapshots[-1].state is JobState.SUCCEEDED
+
+
 def test_errors_become_failed_jobs_with_their_kind(tmp_path: Path) -> None:
     ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
 
