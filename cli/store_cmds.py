@@ -370,6 +370,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     )
     if report.blocked_by:
         _out(f"no chunk deleted: pushes in flight ({', '.join(report.blocked_by)})")
+    if report.reserve_released:
+        _out("the store's disk was full: gc used the store's space reserve to run")
+    if report.reserve_missing:
+        _out(
+            "warning: could not recreate the store's space reserve (disk still too full?); "
+            "free more space (a smaller --keep-last, a shorter --grace) before it fills again"
+        )
     for problem in report.problems:
         _out(f"problem: {problem}")
     if report.problems:

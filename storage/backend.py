@@ -131,6 +131,49 @@ def sync_deferred(backend: Backend, keys: Iterable[str] | None = None) -> None:
         backend.sync(keys)
 
 
+@runtime_checkable
+class SpaceReserveBackend(Protocol):
+    """Optional: space held back on the store's disk for gc to record itself when it is full.
+
+    gc must write its record before deleting anything, and a full disk is when operators
+    run it. A backend on a disk that can fill (a directory) keeps a preallocated reserve;
+    gc alone releases it, on a full-disk error writing its record, and restores it after
+    its sweep. A backend without one (S3) needs none; ``release_space_reserve`` and
+    ``restore_space_reserve`` below do nothing there.
+    """
+
+    def release_reserve(self) -> bool:
+        """Free the reserve; ``True`` if that freed space (there was one)."""
+        ...
+
+    def restore_reserve(self) -> bool:
+        """Recreate the reserve if it is missing; ``False`` if there is no room for it."""
+        ...
+
+
+def _reserve_holder(backend: Backend) -> SpaceReserveBackend | None:
+    # The reserve is a local-disk matter that no retry helps, so wrappers (``RetryingBackend``)
+    # do not forward it: look through them to the backend that holds it.
+    inner: object = backend
+    while not isinstance(inner, SpaceReserveBackend):
+        inner = getattr(inner, "inner", None)
+        if inner is None:
+            return None
+    return inner
+
+
+def release_space_reserve(backend: Backend) -> bool:
+    """``release_reserve`` where the backend keeps a reserve; else ``False``."""
+    holder = _reserve_holder(backend)
+    return holder is not None and holder.release_reserve()
+
+
+def restore_space_reserve(backend: Backend) -> bool:
+    """``restore_reserve`` where the backend keeps a reserve; else ``True`` (none needed)."""
+    holder = _reserve_holder(backend)
+    return holder is None or holder.restore_reserve()
+
+
 BackendFactory = Callable[[str, BackendOptions], Backend]
 
 _REGISTRY: dict[str, BackendFactory] = {}

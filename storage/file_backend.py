@@ -16,6 +16,12 @@ directories, one batch before the manifest instead of two waits per object, and 
 syncs the whole filesystem (``syncfs(2)``). Deletes are not fsynced: a crash may bring a
 deleted object back, which is harmless for the garbage it was.
 
+Space reserve: the first write through a backend makes sure the store root holds
+``.gpusnap-reserve``, ``RESERVE_BYTES`` of preallocated blocks that no key can name and no
+listing shows. Only gc gives it up (``release_reserve``), to record itself when the disk is
+full, and puts it back after its sweep (``restore_reserve``); a put never touches it, so a
+push on a full disk fails and the reserve stays for the gc that gets the store out of it.
+
 The POSIX primitives underneath (opening names relative to a directory fd without following a
 symlink, temp files, ``syncfs``) are in ``storage/file_ops.py``.
 """
@@ -26,6 +32,7 @@ import errno
 import logging
 import os
 import stat as stat_mod
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote, urlsplit
@@ -49,10 +56,13 @@ from gpusnap.storage.errors import (
 from gpusnap.storage.file_ops import (
     DIR_FLAGS,
     DIR_MODE,
-    TEMP_PREFIX,
+    RESERVE_NAME,
+    ensure_reserve,
     is_dir_at,
+    is_private_name,
     is_symlink_at,
     open_below,
+    release_reserve,
     syncfs,
     unlink_quietly,
     write_temp,
@@ -62,6 +72,9 @@ log = logging.getLogger(__name__)
 
 _SYNC_THREADS = 16
 _READ_BLOCK = 1 << 30  # pread() returns at most ~2 GiB per call on Linux
+# Enough for a gc record and its rewrites, and the ``locks/`` directory, many times over
+# on any block size; small beside any disk that holds checkpoints.
+RESERVE_BYTES = 4 * 1024 * 1024
 
 
 class FileBackend:
@@ -85,11 +98,14 @@ class FileBackend:
             raise FailedPrecondition(f"store path {root} is not a directory")
         self.root = root
         self.url = f"file://{root}"
+        self._reserve_checked = False
+        self._reserve_lock = threading.Lock()
 
     # -- the Backend protocol -------------------------------------------------------------
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         directory, name = self._split(key)
+        self._check_reserve_once()
         try:
             dfd = self._open_dir(directory, key, create=True)
             assert dfd is not None
@@ -120,6 +136,7 @@ class FileBackend:
     def put_unsynced(self, key: str, data: bytes) -> None:
         """Like ``put`` (atomic rename into place) but durable only after ``sync``."""
         directory, name = self._split(key)
+        self._check_reserve_once()
         try:
             dfd = self._open_dir(directory, key, create=True)
             assert dfd is not None
@@ -247,14 +264,66 @@ class FileBackend:
     def close(self) -> None:
         pass
 
+    # -- SpaceReserveBackend --------------------------------------------------------------
+
+    def release_reserve(self) -> bool:
+        """Delete the space reserve; ``True`` if there was one to free."""
+        try:
+            fd = os.open(self.root, DIR_FLAGS)
+            try:
+                released = release_reserve(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._translate(exc, "release", RESERVE_NAME) from exc
+        if released:
+            log.warning("store %s is full: released its %s", self.root, RESERVE_NAME)
+        return released
+
+    def restore_reserve(self) -> bool:
+        """Recreate the space reserve if it is missing; ``False`` if there is no room."""
+        try:
+            fd = os.open(self.root, DIR_FLAGS)
+            try:
+                return ensure_reserve(fd, RESERVE_BYTES)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._translate(exc, "create", RESERVE_NAME) from exc
+
     # -- internals ------------------------------------------------------------------------
+
+    def _check_reserve_once(self) -> None:
+        """Before this backend's first write, make the reserve if it is missing.
+
+        Best effort: a store whose disk cannot hold the reserve still takes the write (and
+        warns). Once per backend, so that a put costs no extra system call; gc restores
+        the reserve it released itself.
+        """
+        if self._reserve_checked:
+            return
+        with self._reserve_lock:
+            if self._reserve_checked:
+                return
+            self._reserve_checked = True
+            try:
+                made = self.restore_reserve()
+            except GpusnapError as exc:
+                log.warning("store %s: cannot make its space reserve: %s", self.root, exc)
+                return
+            if not made:
+                log.warning(
+                    "store %s: no room for its %d MiB space reserve; gc may not run on a full disk",
+                    self.root,
+                    RESERVE_BYTES >> 20,
+                )
 
     def _split(self, key: str) -> tuple[tuple[str, ...], str]:
         """``(directory segments, file name)`` of a key, after validating it."""
         validate_key(key)
         segments = key.split("/")
-        if any(s.startswith(TEMP_PREFIX) for s in segments):
-            raise InvalidArgument(f"invalid store key {key!r}: names a temp file")
+        if any(is_private_name(s) for s in segments):
+            raise InvalidArgument(f"invalid store key {key!r}: names a file of the backend's own")
         return tuple(segments[:-1]), segments[-1]
 
     def _open_dir(self, segments: Sequence[str], key: str, *, create: bool) -> int | None:
@@ -337,9 +406,7 @@ class FileBackend:
         try:
             with os.scandir(dfd) as it:
                 entries = [
-                    e
-                    for e in it
-                    if e.name.startswith(name_start) and not e.name.startswith(TEMP_PREFIX)
+                    e for e in it if e.name.startswith(name_start) and not is_private_name(e.name)
                 ]
             # Sorting directories as "name/" makes the walk yield keys in exact string order.
             ordered: list[tuple[str, os.DirEntry[str], bool]] = []

@@ -3,13 +3,15 @@
 Every name is opened relative to an open directory (``dir_fd``) with ``O_NOFOLLOW``, so a
 symlink planted in a store cannot redirect an operation out of it. Here too are the temp
 files a put writes before renaming them into place (mode 0600, named ``TEMP_PREFIX...``),
-and the two libc calls ``os`` lacks: ``sync_file_range`` (start writeback) and ``syncfs``.
+the space reserve (``RESERVE_NAME``, below), and the two libc calls ``os`` lacks:
+``sync_file_range`` (start writeback) and ``syncfs``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import logging
 import os
@@ -19,6 +21,9 @@ import stat as stat_mod
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".gpusnap-tmp-"
+# A preallocated file in the store root that a gc deletes when its own record does not fit
+# on a full disk (docs/design.md, "gc and retention"). No key can name it.
+RESERVE_NAME = ".gpusnap-reserve"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -55,6 +60,67 @@ def is_dir_at(dfd: int, name: str) -> bool:
         return stat_mod.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
     except FileNotFoundError:
         return False
+
+
+def is_private_name(name: str) -> bool:
+    """Whether ``name`` is one of the backend's own files (a temp file, the reserve), which
+    no key may name and no listing shows."""
+    return name.startswith(TEMP_PREFIX) or name == RESERVE_NAME
+
+
+def ensure_reserve(dfd: int, size: int) -> bool:
+    """Make sure ``RESERVE_NAME`` in the directory ``dfd`` holds ``size`` allocated bytes.
+
+    An existing regular file that holds them is kept. A new one is allocated with
+    ``posix_fallocate`` (real blocks, not a hole) under a temp name and renamed into place,
+    so a reserve is never half made. Something else under that name (a symlink, a
+    directory) is neither followed nor replaced. ``False`` when there is no reserve after
+    this; ``ENOSPC``/``EDQUOT`` (no room for one) is such a case, not an error.
+    """
+    try:
+        st = os.stat(RESERVE_NAME, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat_mod.S_ISREG(st.st_mode):
+            log.warning("%s is not a regular file; the store has no space reserve", RESERVE_NAME)
+            return False
+        if st.st_blocks * 512 >= size:
+            return True
+    tmp = TEMP_PREFIX + secrets.token_hex(8)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, FILE_MODE, dir_fd=dfd)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+        os.replace(tmp, RESERVE_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except OSError as exc:
+        unlink_quietly(dfd, tmp)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return False
+        raise
+    return True
+
+
+def release_reserve(dfd: int) -> bool:
+    """Delete ``RESERVE_NAME`` in the directory ``dfd``; ``True`` if that freed space.
+
+    Only a regular file is removed: a symlink under that name is left alone (it would free
+    nothing, and a store never acts on one).
+    """
+    try:
+        st = os.stat(RESERVE_NAME, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat_mod.S_ISREG(st.st_mode):
+        return False
+    try:
+        os.unlink(RESERVE_NAME, dir_fd=dfd)
+    except FileNotFoundError:
+        return False  # a concurrent gc released it first
+    return True
 
 
 def write_temp(dfd: int, data: bytes, *, durable: bool) -> str:

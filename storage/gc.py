@@ -9,13 +9,15 @@ A gc: (1) records itself under ``locks/gc-<id>``; (2) looks for push locks, and 
 means no chunk is deleted in this run; (3) only then reads the manifests; (4) deletes
 unreferenced chunks older than the grace period; (5) records its finish. A push that started
 after (2) sees the record before committing and re-checks its chunks
-(``sync_index_if_gc_ran``). The functions here work on a ``GcHost`` (the
+(``sync_index_if_gc_ran``). On a full disk (1) spends the store's space reserve, which the
+gc puts back after its sweep. The functions here work on a ``GcHost`` (the
 ``CheckpointStore``), which reads manifests and rebuilds the index.
 """
 
 from __future__ import annotations
 
 import builtins
+import errno
 import json
 import logging
 import os
@@ -25,7 +27,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from gpusnap.storage.backend import Backend, ObjectInfo
+from gpusnap.storage.backend import (
+    Backend,
+    ObjectInfo,
+    release_space_reserve,
+    restore_space_reserve,
+)
 from gpusnap.storage.errors import (
     Corrupt,
     FailedPrecondition,
@@ -66,6 +73,10 @@ class GcReport:
     blocked_by: list[str] = field(default_factory=list)
     stale_locks_removed: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # The store's disk was full: gc released its space reserve to record itself.
+    reserve_released: bool = False
+    # After this gc the store has no space reserve (no room to recreate it yet).
+    reserve_missing: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -217,16 +228,7 @@ def collect(
             },
             host.lock_refresh_seconds,
         )
-        try:
-            holder.start()
-        except FailedPrecondition as exc:
-            # Without its record a gc could delete chunks a concurrent push is about to
-            # name, so it does not run; say how to get out of a full store.
-            raise FailedPrecondition(
-                f"gc cannot record itself in the store ({exc}); if the store is full, free "
-                "a little space beside it (or delete old manifests under manifests/) and "
-                "run gc again; `gc --dry-run` shows what it would delete"
-            ) from exc
+        report.reserve_released = _start_record(host.backend, holder)
     try:
         _gc_locks(host, report, dry_run)
         if keep_last is not None:
@@ -244,7 +246,59 @@ def collect(
             holder.write()
     if not dry_run:
         _gc_old_records(host.backend, holder.key if holder else None)
+        report.reserve_missing = not _restore_reserve(host.backend)
     return report
+
+
+def _start_record(backend: Backend, holder: LockHolder) -> bool:
+    """Write this gc's record; on a full disk, spend the store's space reserve on it.
+
+    Without its record a gc could delete chunks a concurrent push is about to name, so a
+    gc that cannot write it does not run. A full disk is when operators run gc, so the
+    first full-disk failure releases the reserve (``file://``) and the write is tried once
+    more; only gc does that, never a push. ``True`` when the reserve was released.
+    """
+    try:
+        holder.start()
+        return False
+    except FailedPrecondition as exc:
+        if not (_disk_full(exc) and release_space_reserve(backend)):
+            raise _cannot_record(exc) from exc
+    try:
+        holder.start()
+    except FailedPrecondition as exc:
+        raise _cannot_record(exc) from exc
+    return True
+
+
+def _disk_full(exc: GpusnapError) -> bool:
+    cause = exc.__cause__  # backends translate an OSError ``from`` it
+    return isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _cannot_record(exc: GpusnapError) -> FailedPrecondition:
+    hint = ""
+    if _disk_full(exc):
+        hint = (
+            "; the store is full and its space reserve is used up: free a little space "
+            "beside it (or delete old manifests under manifests/) and run gc again; "
+            "`gc --dry-run` shows what it would delete"
+        )
+    return FailedPrecondition(f"gc cannot record itself in the store ({exc}){hint}")
+
+
+def _restore_reserve(backend: Backend) -> bool:
+    """Put back the space reserve after a sweep; best effort, never failing the gc.
+
+    ``False`` when the store is left without one."""
+    try:
+        restored = restore_space_reserve(backend)
+    except GpusnapError as exc:
+        log.warning("gc: cannot recreate the store's space reserve: %s", exc)
+        return False
+    if not restored:
+        log.warning("gc: the store is still too full to recreate its space reserve")
+    return restored
 
 
 def _gc_locks(host: GcHost, report: GcReport, dry_run: bool) -> None:

@@ -46,7 +46,7 @@ def _manifest_file(tmp_path: Path, checkpoint_id: str) -> Path:
 
 
 def _largest_chunk_file(tmp_path: Path) -> Path:
-    chunks = [p for p in _store_files(tmp_path) if not _is_manifest(p)]
+    chunks = [p for p in (tmp_path / "store" / "chunks").rglob("*") if p.is_file()]
     return max(chunks, key=lambda p: p.stat().st_size)
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from gpusnap.storage import BackendOptions, CheckpointStore, generate_signing_key, open_store
 from gpusnap.storage.keys import generate_encryption_key
@@ -97,3 +101,24 @@ def file_store(
         workers=workers,
         options=options,
     )
+
+
+@contextmanager
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``1m``) at ``mount_point``, so that ENOSPC is real.
+
+    Skips the test where mounting is not allowed (it needs root).
+    """
+    mount_point.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +16,11 @@ from gpusnap.storage.errors import (
     NotFound,
     Unavailable,
 )
-from gpusnap.storage.file_backend import TEMP_PREFIX, FileBackend
+from gpusnap.storage.file_backend import FileBackend
+from gpusnap.storage.file_ops import TEMP_PREFIX
 from gpusnap.storage.retry import RetryingBackend
 from tests.storage.conftest import fast_options
+from tests.storage.store_helpers import mounted_tmpfs
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import MotoServer
 
@@ -282,20 +283,8 @@ def test_a_listing_that_fails_part_way_resumes_without_repeats(tmp_path: Path) -
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs, so that ENOSPC is real."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 @pytest.mark.parametrize("if_absent", [False, True])
