@@ -61,6 +61,8 @@ class DaemonSection:
     # tmpfs or local NVMe here keeps dump and restore off slower disks.
     staging_dir: Path | None = None
     criu_log_level: int = 4  # criu -v0..-v4 for its per-job log (kept only on failure)
+    # Upload page images while CRIU writes them (a first checkpoint: daemon/dumpstream.py).
+    upload_during_dump: bool = True
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,7 @@ def _parse_daemon(t: _Table) -> DaemonSection:
         tcp=tcp,
         staging_dir=t.path("staging_dir"),
         criu_log_level=_or(t.integer("criu_log_level", minimum=0), d.criu_log_level),
+        upload_during_dump=_or(t.boolean("upload_during_dump"), d.upload_during_dump),
     )
     if section.criu_log_level > 4:
         raise t._bad("criu_log_level", "must be 0 to 4 (criu -v0 .. -v4)")

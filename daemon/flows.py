@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 from gpusnap.daemon import coldstart, proctree
 from gpusnap.daemon.config import WorkloadConfig
 from gpusnap.daemon.criu import can_punch_holes, systemd_running
+from gpusnap.daemon.dumpstream import PageImageFollower
 from gpusnap.daemon.jobs import JobContext
 from gpusnap.daemon.model import Phase
 from gpusnap.daemon.stamp import STAMP_VERSION, file_entry, gpusnap_stamp, identity_stamp
 from gpusnap.storage.errors import FailedPrecondition, GpusnapError, NotFound
-from gpusnap.storage.streams import GPU_MEMORY_KIND
+from gpusnap.storage.streams import GPU_MEMORY_KIND, UploadedStreams
 
 if TYPE_CHECKING:
     from gpusnap.daemon.service import DaemonService
@@ -84,6 +85,7 @@ def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) 
     staging = svc.staging_dir(ctx.job_id)
     images = staging / "images"
     dump_log = svc.logs_dir / f"{ctx.job_id}-dump.log"
+    follower: PageImageFollower | None = None
     try:
         ctx.phase(Phase.FREEZE_GPU)
         t_freeze = time.monotonic()
@@ -93,11 +95,18 @@ def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) 
         ctx.phase(Phase.DUMP)
         # Accepted -> CRIU starts: queueing, the store's latest, the look at the tree, stamps.
         prepare = time.time() - job_started
+        # A first checkpoint uploads everything: overlap that with the dump (a later one
+        # follows its parent's chunks, which makes its upload cheap after the dump).
+        if parent is None and svc.config.daemon.upload_during_dump:
+            follower = PageImageFollower(store, images, compress=req.compress)
+            follower.start()
         try:
             dump = svc.criu.dump(
                 root.pid, images, leave_running=req.leave_running, log_path=dump_log
             )
         except GpusnapError:
+            if follower is not None:
+                follower.abort()
             if freeze.cuda_pids:
                 _thaw_after_failure(svc, freeze)
             raise
@@ -147,6 +156,7 @@ def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) 
         }
 
         ctx.phase(Phase.UPLOAD)
+        uploaded = _uploaded_streams(getattr(freeze, "uploaded_streams", None), follower)
         try:
             pushed = store.push(
                 images,
@@ -157,7 +167,7 @@ def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) 
                 progress=ctx.progress,
                 compress=req.compress,
                 extra={"job": ctx.job_id, "pause_seconds": round(pause, 6)},
-                uploaded_streams=getattr(freeze, "uploaded_streams", None),
+                uploaded_streams=uploaded,
             )
         except GpusnapError as err:
             if not req.leave_running:
@@ -186,7 +196,25 @@ def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) 
         dump_log.unlink(missing_ok=True)
         dump_log.with_name(dump_log.name + ".stdout").unlink(missing_ok=True)
     finally:
+        if follower is not None:
+            follower.abort()  # a no-op once finished; else it must stop reading staging
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _uploaded_streams(
+    gpu: UploadedStreams | None, follower: PageImageFollower | None
+) -> UploadedStreams | None:
+    """What the push names besides the staging files: GPU memory and page images uploaded
+    while CRIU wrote them (``finish`` waits for the rest of them to go up)."""
+    pages = follower.finish() if follower is not None else None
+    if pages is None or not pages.entries:
+        return gpu
+    if gpu is None:
+        return pages
+    merged = UploadedStreams()
+    merged.merge(gpu)
+    merged.merge(pages)
+    return merged
 
 
 def _trigger_of(svc: DaemonService, ctx: JobContext) -> str:

@@ -324,7 +324,8 @@ def push_inputs(
     A stream is consumed exactly once, by the calling thread; an error it raises aborts the
     push like any other.
     """
-    stats = PushStats(bytes_total=sum(f.size for f in inputs))
+    # A stream of unknown size counts when it ends (below).
+    stats = PushStats(bytes_total=sum(max(0, f.size) for f in inputs))
     budget = ByteBudget(budget_bytes)
     run = Run()
     seen: set[str] = set()  # dedup within this push, including chunks still uploading
@@ -441,10 +442,13 @@ def push_inputs(
     finally:
         for cutter in cutters.values():  # idempotent; stops any cut never consumed
             cutter.close()
-    entries = [
-        FileEntry(src.path, src.size, src.mode, [fut.result() for fut in futures])
-        for src, futures in pending
-    ]
+    entries: list[FileEntry] = []
+    for src, futures in pending:
+        refs = [fut.result() for fut in futures]
+        size = src.size if src.size >= 0 else sum(ref.size for ref in refs)
+        if src.size < 0:
+            stats.bytes_total += size
+        entries.append(FileEntry(src.path, size, src.mode, refs))
     stats.chunks_total = sum(len(e.chunks) for e in entries)
     return entries, stats
 

@@ -15,8 +15,8 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Collection, Generator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection, Generator, Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ from gpusnap.storage.errors import (
     Unavailable,
 )
 from gpusnap.storage.gc import LOCK_PREFIX, LockHolder
+from gpusnap.storage.growing import growing_file_input
 from gpusnap.storage.index import ChunkIndex
 from gpusnap.storage.keys import EncryptionKeys, SigningKey
 from gpusnap.storage.manifest import (
@@ -142,6 +143,8 @@ def push_tree(
     checkpoint_id = check_checkpoint_id(checkpoint_id) if checkpoint_id else new_checkpoint_id()
     _check_can_sign(host._signer, host.verify_manifests)
     files = _walk(src)
+    if uploaded_streams is not None and uploaded_streams.of_files:
+        files, uploaded_streams = _files_streamed(files, uploaded_streams)
     stream_inputs, kinds = _stream_inputs(host._chunker, streams, {f.path for f in files})
     if uploaded_streams is not None:
         taken = {f.path for f in files} | set(kinds)
@@ -271,6 +274,64 @@ def upload_streams_ahead(
         chunks_total=stats.chunks_total,
         chunks_uploaded=stats.chunks_uploaded,
         seconds=time.monotonic() - started,
+    )
+
+
+def _files_streamed(
+    files: list[SourceFile], uploaded: UploadedStreams
+) -> tuple[list[SourceFile], UploadedStreams]:
+    """Files of ``src`` already uploaded while they were written (``UploadedStreams.of_files``).
+
+    Such a file is not read again when it still has the size its stream had; one that does
+    not (it grew after its writer was thought done) is pushed as a file, its stream dropped.
+    """
+    sizes = {f.path: f.size for f in files}
+    kept = replace(uploaded, entries=[], kinds={}, of_files=set())
+    for entry in uploaded.entries:
+        if entry.path not in uploaded.of_files:
+            kept.entries.append(entry)
+            if entry.path in uploaded.kinds:
+                kept.kinds[entry.path] = uploaded.kinds[entry.path]
+        elif sizes.get(entry.path) == entry.size:
+            kept.entries.append(entry)
+            kept.kinds[entry.path] = uploaded.kinds.get(entry.path, "file")
+            kept.of_files.add(entry.path)
+        else:
+            log.warning(
+                "%s has %s bytes, %d when it was streamed; reading it again",
+                entry.path,
+                sizes.get(entry.path, "no"),
+                entry.size,
+            )
+    return [f for f in files if f.path not in kept.of_files], kept
+
+
+def upload_growing_file(
+    host: PushHost,
+    path: Path,
+    name: str,
+    *,
+    complete: Callable[[], bool],
+    stop: Callable[[], bool],
+    kind: str,
+    compress: bool | None,
+) -> UploadedStreams:
+    """``CheckpointStore.upload_growing``: upload a file while its writer appends to it."""
+    started = time.monotonic()
+    _check_can_sign(host._signer, host.verify_manifests)
+    check_stream_path(name)
+    source = growing_file_input(path, name, host._chunker, complete, stop=stop)
+    host._sync_index_if_gc_ran()
+    entries, stats = host._upload_inputs([source], compress, None)
+    return UploadedStreams(
+        entries=entries,
+        kinds={name: kind},
+        bytes_total=stats.bytes_total,
+        bytes_uploaded=stats.bytes_uploaded,
+        chunks_total=stats.chunks_total,
+        chunks_uploaded=stats.chunks_uploaded,
+        seconds=time.monotonic() - started,
+        of_files={name},
     )
 
 

@@ -22,7 +22,7 @@ import builtins
 import logging
 import os
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -63,7 +63,7 @@ from gpusnap.storage.pipeline import (
     read_entry,
 )
 from gpusnap.storage.pull import pull_files
-from gpusnap.storage.push import PushResult, push_tree, upload_streams_ahead
+from gpusnap.storage.push import PushResult, push_tree, upload_growing_file, upload_streams_ahead
 from gpusnap.storage.streams import StreamSource, UploadedStreams, stream_kinds
 from gpusnap.storage.verify import VerifyReport, verify_store
 
@@ -190,6 +190,27 @@ class CheckpointStore:
         written: pass the result to ``push(..., uploaded_streams=...)``.
         """
         return upload_streams_ahead(self, streams, compress=compress, progress=progress)
+
+    def upload_growing(
+        self,
+        path: Path,
+        name: str,
+        *,
+        complete: Callable[[], bool],
+        stop: Callable[[], bool] = lambda: False,
+        kind: str = "file",
+        compress: bool | None = None,
+    ) -> UploadedStreams:
+        """Put the chunks of ``path`` in the store while another process appends to it.
+
+        ``complete()`` says the writer is done; ``stop()`` gives up. The result names the
+        file as entry ``name`` and is handed to ``push(..., uploaded_streams=...)``, which
+        uses it instead of the file of that name if the file still has the size read
+        (``storage/growing.py``).
+        """
+        return upload_growing_file(
+            self, path, name, complete=complete, stop=stop, kind=kind, compress=compress
+        )
 
     def _upload_inputs(
         self, inputs: builtins.list[PushInput], compress: bool | None, progress: ProgressFn | None

@@ -28,6 +28,11 @@ GPU_MEMORY_KIND = "gpu-memory"
 Buffer = bytes | bytearray | memoryview
 
 
+# The size of a push input known only when it ends (``storage/growing.py``); a
+# ``StreamSource`` always declares its size.
+UNKNOWN_SIZE = -1
+
+
 @dataclass
 class StreamSource:
     """``size`` bytes, yielded in order by ``buffers`` in pieces of any length.
@@ -61,6 +66,9 @@ class UploadedStreams:
     chunks_total: int = 0
     chunks_uploaded: int = 0
     seconds: float = 0.0
+    # Paths whose stream is the bytes of the file of that path in the tree a ``push`` reads
+    # (uploaded while another process wrote it): the push uses the stream, not the file.
+    of_files: set[str] = field(default_factory=set)
 
     def merge(self, other: UploadedStreams) -> None:
         taken = {e.path for e in self.entries}
@@ -74,6 +82,7 @@ class UploadedStreams:
         self.chunks_total += other.chunks_total
         self.chunks_uploaded += other.chunks_uploaded
         self.seconds += other.seconds
+        self.of_files |= other.of_files
 
 
 def check_stream_path(path: str) -> str:
@@ -166,6 +175,7 @@ def streams_extra(kinds: Mapping[str, str]) -> dict[str, dict[str, str]]:
 __all__ = [
     "GPU_MEMORY_KIND",
     "STREAMS_EXTRA_KEY",
+    "UNKNOWN_SIZE",
     "StreamSource",
     "UploadedStreams",
     "check_stream_path",

@@ -61,6 +61,10 @@ def test_checkpoint_and_restore_of_a_process_tree_continues_bit_exactly(
     assert stamp["launch"]["command"][0] == sys.executable
     assert stamp["host"]["criu_version"].startswith("4.")
     assert any(f["path"] == str(w.out_path) for f in stamp["files"])
+    # A first checkpoint uploads its page images while CRIU writes them (dumpstream.py).
+    streams = shown.json["extra"]["streams"]
+    pages = [p for p, info in streams.items() if info["kind"] == "criu-pages"]
+    assert pages and all(p.startswith("pages-") for p in pages), streams
 
     rs = node.cli("restore", result["checkpoint_id"], "--wait", "--json")
     assert rs.rc == 0, rs.stderr
