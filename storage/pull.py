@@ -58,7 +58,6 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SPARSE_RATIO = 2
 _GRAIN = 32 * 1024
 _ZERO = bytes(_GRAIN)
-_PROBE = 16
 # errnos that mean "this filesystem does not do O_DIRECT (here)", not "the disk failed".
 _NO_DIRECT = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 
@@ -245,8 +244,9 @@ def _data_runs(buf: mmap.mmap, lo: int, hi: int, file_lo: int) -> list[tuple[int
     while pos < hi:
         end = min(hi, pos + _GRAIN - (file_lo + pos - lo) % _GRAIN)
         n = end - pos
-        # mmap slices are bytes: the probe rejects most data grains after a few bytes.
-        zero = buf[pos : pos + _PROBE] == _ZERO[: min(n, _PROBE)] and buf[pos:end] == _ZERO[:n]
+        # In place (no copy): a whole grain of zeros is found where it starts, or not at all;
+        # a data grain is rejected at its first bytes.
+        zero = buf.find(_ZERO[:n], pos, end) == pos
         if zero and begin >= 0:
             runs.append((begin, pos))
             begin = -1
