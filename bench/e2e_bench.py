@@ -9,8 +9,9 @@ state; ``tests/e2e/memory_holder.py``) is
   restored by it, via the real CLI.
 
 One bare dump, thrown away, warms the process up before anything is measured (a process's
-first dump is slower than later ones, on either side). Everything lives in one tmpfs work directory (store, daemon state, bare images), so the
-comparison is of the pipelines, not of disks. Targets (issue 3):
+first dump is slower than later ones, on either side). Everything lives in one tmpfs work
+directory (store, daemon state, bare images), so the comparison is of the pipelines, not of
+disks. Targets (issue 3):
 
 - pause <= 1.2 x bare dump
 - trigger-to-commit <= bare dump + bare zstd

@@ -30,7 +30,7 @@ import os
 import queue
 import secrets
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +51,8 @@ TMP_PREFIX = ".gpusnap-pull-"
 # O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's logical block
 # size: 4 KiB satisfies every common device (512-byte ones included).
 ALIGN = 4096
+# Threads that write decoded chunks (O_DIRECT writes block; one per file runs at a time).
+_WRITERS = 8
 # Interiors shorter than this go through the page cache: not worth a synchronous device write.
 _MIN_DIRECT = 64 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -322,6 +324,8 @@ def pull_files(
     budget = ByteBudget(budget_bytes)
     buffers = _Buffers()
     token = secrets.token_hex(4)
+    writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpusnap-pull-write")
+    futures: list[Future[None]] = []
     try:
         _make_dirs(dest, layout)
         # Where each distinct chunk goes: one fetch serves every place it appears.
@@ -345,44 +349,65 @@ def pull_files(
                 sizes[ref.id] = ref.size
                 offset += ref.size
 
+        writes: list[Future[None]] = []
+        writes_lock = threading.Lock()
+
+        def write(chunk_id: str, obj_len: int, buf: mmap.mmap, shift: int) -> None:
+            size = sizes[chunk_id]
+            where = places[chunk_id]
+            try:
+                if run.abort.is_set():
+                    return
+                # Every temp file starts as a hole of its full size (ftruncate), which reads
+                # as zeros: zero chunks and (sparse) zero grains need no write at all.
+                sparse = obj_len * _SPARSE_RATIO < size
+                done_direct = 0
+                for target, offset in where:
+                    done_direct += _write_place(target, buf, shift, size, offset, sparse=sparse)
+                with stats.lock:
+                    stats.bytes_done += size * len(where)
+                    stats.bytes_direct += done_direct
+            except BaseException as exc:
+                run.fail(dest_error(exc, dest))
+            finally:
+                buffers.give(buf)
+                budget.release(size)
+
         def task(chunk_id: str) -> None:
             size = sizes[chunk_id]
             buf = None
+            handed = False
             try:
                 if run.abort.is_set():
                     return
                 obj = backend.get(chunk_key(chunk_id))
-                where = places[chunk_id]
-                shift = where[0][1] % ALIGN
+                shift = places[chunk_id][0][1] % ALIGN
                 buf = buffers.take()
                 out = memoryview(buf)[shift : shift + size]
                 try:
                     codec.decode_into(chunk_id, obj, out)  # verified before any byte is used
                 finally:
                     out.release()
-                # Every temp file starts as a hole of its full size (ftruncate), which reads
-                # as zeros: zero chunks and (sparse) zero grains need no write at all.
-                sparse = len(obj) * _SPARSE_RATIO < size
-                done_direct = 0
-                for target, offset in where:
-                    done_direct += _write_place(target, buf, shift, size, offset, sparse=sparse)
                 with stats.lock:
                     stats.bytes_fetched += len(obj)
-                    stats.bytes_done += size * len(where)
-                    stats.bytes_direct += done_direct
+                # Writes block (O_DIRECT, one at a time per file): on their own threads, so
+                # that decoding goes on meanwhile, within the byte budget.
+                with writes_lock:
+                    writes.append(writer.submit(write, chunk_id, len(obj), buf, shift))
+                handed = True  # the writer gives the buffer back and releases the budget
             except NotFound as exc:
                 run.fail(Corrupt(f"chunk {chunk_id} is missing from the store ({exc})"))
             except BaseException as exc:
                 run.fail(dest_error(exc, dest))
             finally:
-                if buf is not None:
-                    buffers.give(buf)
-                budget.release(size)
+                if not handed:
+                    if buf is not None:
+                        buffers.give(buf)
+                    budget.release(size)
 
         # A chunk of zeros is known from its (authenticated) id alone: nothing to fetch or
         # write. Zero runs longer than the largest chunk all become that one chunk.
         zeros = {MAX_SIZE: codec.chunk_id(bytes(MAX_SIZE))} if MAX_SIZE in sizes.values() else {}
-        futures: list[Future[None]] = []
         for chunk_id in _interleaved(manifest.files):
             if zeros.get(sizes[chunk_id]) == chunk_id:
                 stats.bytes_done += sizes[chunk_id] * len(places[chunk_id])
@@ -394,6 +419,10 @@ def pull_files(
             if progress is not None:
                 progress(stats.bytes_done, stats.bytes_total)
         for fut in futures:
+            fut.result()
+            if progress is not None:
+                progress(stats.bytes_done, stats.bytes_total)
+        for fut in writes:  # complete: every decode has run, so every write is submitted
             fut.result()
             if progress is not None:
                 progress(stats.bytes_done, stats.bytes_total)
@@ -413,11 +442,17 @@ def pull_files(
             _sync_dirs({targets[p].parent for p in by_path} | {dest, dest.parent})
     except BaseException as exc:
         run.abort.set()
+        # Nothing may still write through a descriptor that undo is about to close.
+        for fut in futures:
+            fut.cancel()
+        wait(futures)
+        writer.shutdown(wait=True, cancel_futures=True)
         layout.undo()
         if isinstance(exc, OSError):
             raise dest_error(exc, dest) from exc
         raise
     finally:
+        writer.shutdown(wait=True)
         buffers.close()
     return stats
 
