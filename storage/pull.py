@@ -55,6 +55,8 @@ ALIGN = 4096
 _WRITERS = 8
 # Interiors shorter than this go through the page cache: not worth a synchronous device write.
 _MIN_DIRECT = 64 * 1024
+# Sparse chunks' data runs shorter than this are written through the page cache.
+_MIN_DIRECT_RUN = 256 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Zero detection in chunks that compressed at least this well, by grains of this size.
 _SPARSE_RATIO = 2
@@ -285,6 +287,9 @@ def _write_place(
         runs = _data_runs(buf, lo, hi, start) if sparse else [(lo, hi)]
         done = 0
         for a, b in runs:
+            if b - a < _MIN_DIRECT_RUN:  # a device round trip for a few blocks: buffered
+                _pwrite_all(target.fd, view[a:b], start + a - lo)
+                continue
             try:
                 _pwrite_all(dfd, view[a:b], start + a - lo)
             except OSError as exc:
