@@ -87,7 +87,8 @@ class PageImageFollower:
         """CRIU is done: upload what is left; the streams, or None if following failed."""
         self._dumped.set()
         self._renice(0)
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
         if self._error is not None:
             log.warning("uploading page images during the dump failed: %s", self._error)
             return None
@@ -97,7 +98,8 @@ class PageImageFollower:
         """CRIU failed: stop (chunks already uploaded are left to gc)."""
         self._abort.set()
         self._dumped.set()
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
 
     # --- the follower thread -------------------------------------------------------------
 
@@ -110,6 +112,8 @@ class PageImageFollower:
         self._tids.append(threading.get_native_id())
         if not self._dumped.is_set():
             self._renice(19)
+            if self._dumped.is_set():  # finish() ran in between: back to normal priority
+                self._renice(0)
         try:
             done: set[str] = set()
             while not self._abort.is_set():

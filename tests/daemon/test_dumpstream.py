@@ -126,3 +126,12 @@ def test_nothing_to_follow(store: CheckpointStore, tmp_path: Path) -> None:
     uploaded = follower.finish()
     assert uploaded is not None and uploaded.entries == [] and uploaded.of_files == set()
     assert not (tmp_path / "never-created").exists()
+
+
+def test_abort_before_start_is_harmless(store: CheckpointStore, tmp_path: Path) -> None:
+    (tmp_path / "pages-1.img").write_bytes(random_bytes(1 * MiB, 9))
+    follower = PageImageFollower(store, tmp_path, compress=None)
+    follower.abort()  # e.g. the job failed before CRIU was started
+    uploaded = follower.finish()
+    assert uploaded is not None and uploaded.entries == [] and uploaded.of_files == set()
+    assert store.list() == []
