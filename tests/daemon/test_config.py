@@ -116,6 +116,13 @@ def test_a_criu_log_level_outside_0_to_4_is_refused_naming_the_key(level: object
     assert "criu_log_level" in _error({"store": STORE, "daemon": {"criu_log_level": level}})
 
 
+def test_upload_during_dump_defaults_on_and_parses() -> None:
+    assert parse_config({"store": STORE}).daemon.upload_during_dump is True
+    off = parse_config({"store": STORE, "daemon": {"upload_during_dump": False}})
+    assert off.daemon.upload_during_dump is False
+    assert "upload_during_dump" in _error({"store": STORE, "daemon": {"upload_during_dump": "yes"}})
+
+
 # --- a store section that could never work is refused at load, naming the key -----------------
 
 
