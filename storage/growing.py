@@ -89,9 +89,4 @@ def growing_file_input(
         finally:
             os.close(fd)
 
-    def chunks() -> Generator[memoryview, None, None]:
-        with contextlib.closing(named()) as items:
-            for chunk, _cid in items:
-                yield chunk
-
-    return PushInput(name, UNKNOWN_SIZE, mode, chunks, named_chunks=named)
+    return PushInput.of_named(name, UNKNOWN_SIZE, mode, named)

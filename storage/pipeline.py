@@ -153,6 +153,25 @@ class PushInput:
     # When set, used instead of ``chunks``: chunks with their ids where already computed.
     named_chunks: Callable[[], Generator[_Named, None, None]] | None = None
 
+    @classmethod
+    def of_named(
+        cls,
+        path: str,
+        size: int,
+        mode: int,
+        named: Callable[[], Generator[_Named, None, None]],
+        *,
+        cut_ahead: bool = False,
+    ) -> PushInput:
+        """An input whose chunks come with their ids where known; ``chunks`` drops the ids."""
+
+        def chunks() -> Generator[memoryview, None, None]:
+            with contextlib.closing(named()) as items:
+                for chunk, _cid in items:
+                    yield chunk
+
+        return cls(path, size, mode, chunks, cut_ahead=cut_ahead, named_chunks=named)
+
     def named(self) -> Generator[_Named, None, None]:
         if self.named_chunks is not None:
             yield from self.named_chunks()
@@ -264,12 +283,7 @@ def file_input(
         finally:
             view.release()  # the map goes away when the last slice is released
 
-    def chunks() -> Generator[memoryview, None, None]:
-        with contextlib.closing(named()) as items:
-            for chunk, _cid in items:
-                yield chunk
-
-    return PushInput(src.path, src.size, src.mode, chunks, cut_ahead=True, named_chunks=named)
+    return PushInput.of_named(src.path, src.size, src.mode, named, cut_ahead=True)
 
 
 def push_files(
