@@ -338,15 +338,20 @@ class JobExecutor:
                 # The daemon stops: end the stream; the job is journaled for the next one.
                 return
 
-    def wait_change(self, job_id: str, timeout: float) -> Job:
-        """The job after its next change, or as it is after ``timeout`` seconds."""
+    def wait_terminal(self, job_id: str, timeout: float) -> Job:
+        """The job once it has ended, or as it stands after ``timeout`` seconds.
+
+        Waits on the job's state itself, not on "the next change": a job that ends between a
+        caller's look and this call is returned at once (waiting for a change after it ended
+        would wait out the whole timeout).
+        """
         with self._cond:
             live = self._live.get(job_id)
             if live is None:
                 return self.get(job_id)
-            seen = self._versions.get(job_id, 0)
-            self._cond.wait_for(lambda: self._versions.get(job_id, 0) != seen, timeout)
-            return copy.deepcopy(live[0])
+            job = live[0]
+            self._cond.wait_for(lambda: job.state.terminal, timeout)
+            return copy.deepcopy(job)
 
     # --- shutdown ---------------------------------------------------------------------
 

@@ -494,6 +494,11 @@ class StandbyLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
+        # Outcomes of restores this node ran that the store has not taken yet (unreachable
+        # when the job ended): retried first at every tick. Until one lands the claim stays
+        # live, and a claim left without its outcome would be taken over after the claim
+        # timeout and the workload started a second time.
+        self._unrecorded: list[tuple[MigrationClaim, dict[str, Any]]] = []
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="migration-standby", daemon=True)
@@ -519,7 +524,7 @@ class StandbyLoop:
 
     def tick(self) -> list[MigrationOutcome]:
         """One look at the board; returns the outcomes this node recorded."""
-        done: list[MigrationOutcome] = []
+        done = self._record_unrecorded()
         for req in self.board.pending():
             if self._stop.is_set():
                 break
@@ -553,10 +558,39 @@ class StandbyLoop:
         try:
             job = self._restore(req, claim)
         except GpusnapError as exc:
-            return self.board.record_outcome(claim, succeeded=False, mode="", detail=str(exc))
+            return self._record(claim, {"succeeded": False, "mode": "", "detail": str(exc)})
         ok = job.state == JobState.SUCCEEDED
         result_mode = str(job.result.get("mode", "restored" if mode == "restore" else mode))
         detail = reason if ok else (job.error or f"restore job ended {job.state}")
-        return self.board.record_outcome(
-            claim, succeeded=ok, mode=result_mode, detail=detail, job_id=job.id
+        return self._record(
+            claim, {"succeeded": ok, "mode": result_mode, "detail": detail, "job_id": job.id}
         )
+
+    def _record(self, claim: MigrationClaim, args: dict[str, Any]) -> MigrationOutcome | None:
+        """Record an outcome; kept for the next tick when the store does not take it now."""
+        try:
+            return self.board.record_outcome(claim, **args)
+        except AlreadyExists:
+            raise  # another node's outcome: nothing of ours to keep retrying
+        except GpusnapError as exc:
+            log.warning(
+                "%s: outcome not recorded yet (retried at the next look): %s",
+                claim.checkpoint_id,
+                exc,
+            )
+            self._unrecorded.append((claim, args))
+            return None
+
+    def _record_unrecorded(self) -> list[MigrationOutcome]:
+        pending, self._unrecorded = self._unrecorded, []
+        done: list[MigrationOutcome] = []
+        for claim, args in pending:
+            try:
+                outcome = self._record(claim, args)
+            except AlreadyExists as exc:
+                log.warning("%s: %s", claim.checkpoint_id, exc)
+                continue
+            if outcome is not None:
+                log.warning("%s: outcome recorded on retry", claim.checkpoint_id)
+                done.append(outcome)
+        return done

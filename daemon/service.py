@@ -325,11 +325,7 @@ class DaemonService:
 
     def wait_job(self, job_id: str, timeout: float) -> Job:
         """The job once terminal, or as it stands after ``timeout`` seconds."""
-        end = time.monotonic() + timeout
-        job = self.executor.get(job_id)
-        while not job.state.terminal and time.monotonic() < end:
-            job = self.executor.wait_change(job_id, max(0.0, end - time.monotonic()))
-        return job
+        return self.executor.wait_terminal(job_id, timeout)
 
     # --- checkpoints and workloads ----------------------------------------------------------
 

@@ -75,6 +75,32 @@ def test_rapid_progress_wakes_watchers_at_most_every_interval_but_get_sees_it_al
     assert snapshots[-1].state is JobState.SUCCEEDED
 
 
+def test_wait_terminal_returns_a_job_that_ended_before_the_wait_at_once(tmp_path: Path) -> None:
+    # The race a "wait for the next change" had: a job that ends between a caller's look
+    # and its wait had no next change, and the wait ran out its whole timeout (half an hour
+    # for a standby's restore). Waiting on the state itself cannot miss it.
+    ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
+    job = ex.submit(JobKind.RESTORE, "w", lambda ctx: None)
+    assert list(ex.watch(job.id))[-1].state is JobState.SUCCEEDED
+    got: list[Job] = []
+    waiter = threading.Thread(target=lambda: got.append(ex.wait_terminal(job.id, 3600)))
+    waiter.start()
+    waiter.join(30)  # a hang guard: it returns at once
+    assert not waiter.is_alive()
+    assert got[0].state is JobState.SUCCEEDED
+
+
+def test_wait_terminal_waits_for_the_end_or_returns_the_job_as_it_stands(tmp_path: Path) -> None:
+    ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
+    release = threading.Event()
+    job = ex.submit(JobKind.RESTORE, "w", lambda ctx: (release.wait(30), ctx.phase(Phase.FETCH)))
+    assert ex.wait_terminal(job.id, 0.05).state in (JobState.QUEUED, JobState.RUNNING)
+    threading.Timer(0.05, release.set).start()
+    assert ex.wait_terminal(job.id, 60).state is JobState.SUCCEEDED
+    with pytest.raises(NotFound):
+        ex.wait_terminal("nope", 1)
+
+
 def test_errors_become_failed_jobs_with_their_kind(tmp_path: Path) -> None:
     ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
 

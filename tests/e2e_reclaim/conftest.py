@@ -267,7 +267,15 @@ def finished_migration(node: Node) -> dict[str, Any]:
         done = [m for m in items if m["outcome"] is not None]
         return done[0] if done else None
 
-    return wait_for("a migration outcome", probe)
+    try:
+        return wait_for("a migration outcome", probe)
+    except TimeoutError as exc:
+        # What the board and the node said, so that a hang seen once can be diagnosed.
+        raise AssertionError(
+            f"{exc}\nmigrations: {migrations(node)}\njobs: {jobs(node)}\n"
+            f"triggers: {cli_json(node, 'triggers').get('standby')}\n"
+            f"log of {node.name}:\n{node.log()}"
+        ) from exc
 
 
 def committed_reclaim(node: Node) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from gpusnap.daemon.migration import (
     parse_migration_config,
 )
 from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState, Reason
-from gpusnap.storage.errors import Corrupt, InvalidArgument
+from gpusnap.storage.errors import Corrupt, InvalidArgument, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore
 from tests.triggers.conftest import StoreSpec
@@ -269,6 +269,43 @@ def test_failed_restore_is_recorded(store: CheckpointStore) -> None:
     (outcome,) = StandbyLoop(b, "node-b", compatible, run).tick()
     assert outcome.state == "failed" and "criu restore failed" in outcome.detail
     assert b.get(cid).status == "failed"
+
+
+class OutcomePutFails:
+    """The store's backend, except that the first ``times`` puts of an outcome fail."""
+
+    def __init__(self, backend: Any, times: int) -> None:
+        self._backend = backend
+        self.times = times
+
+    def put(self, key: str, data: bytes, **kw: Any) -> None:
+        if key.endswith("/outcome") and self.times > 0:
+            self.times -= 1
+            raise Unavailable("store unreachable: connection refused")
+        self._backend.put(key, data, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_an_outcome_the_store_refused_is_retried_and_the_restore_not_run_twice(
+    store: CheckpointStore,
+) -> None:
+    # Lost, the outcome would leave the claim live and then stale after the claim timeout:
+    # another node would take it over and start the workload a second time.
+    b = MigrationBoard(OutcomePutFails(store.backend, times=2), store)  # type: ignore[arg-type]
+    cid = new_checkpoint_id()
+    b.publish(cid, "llm", "node-a")
+    calls, run = restore_ok("restored")
+    loop = StandbyLoop(b, "node-b", compatible, run)  # type: ignore[arg-type]
+    assert loop.tick() == []  # restored; the outcome did not land
+    assert b.get(cid).status == "claimed"
+    assert loop.tick() == []  # the store still refuses it; still kept
+    (outcome,) = loop.tick()
+    assert (outcome.state, outcome.mode, outcome.node_id) == ("succeeded", "restored", "node-b")
+    assert calls == [cid]  # restored once
+    assert b.get(cid).status == "restored"
+    assert loop.tick() == []
 
 
 def test_parse_migration_config() -> None:
