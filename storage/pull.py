@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import mmap
 import os
 import queue
@@ -95,6 +94,8 @@ class _Target:
         self.fd = fd
         self.dfd = dfd
         self._lock = threading.Lock()
+        self.unwritten = 0  # chunk places not yet written (under the pull's stats lock)
+        self.synced = False
 
     def no_direct(self) -> None:
         with self._lock:
@@ -191,18 +192,26 @@ def _check_inside(directory: Path, dest: Path, path: str) -> None:
 
 
 def _interleaved(files: list[FileEntry]) -> list[str]:
-    """Distinct chunk ids, taking one chunk of each file in turn.
+    """Distinct chunk ids, every file advancing at the same pace (by fraction of its size).
 
     Writes to one file serialise on its inode lock (and with it the block allocation they
-    do), so concurrent writers should mostly be writing different files.
+    do), so concurrent writers should be writing different files until the very end: were
+    the files taken a chunk each in turn, the small ones would be done early and the end of
+    the pull would write the largest alone, one chunk at a time.
     """
+    keyed: list[tuple[float, int, str]] = []
+    for index, entry in enumerate(files):
+        offset = 0
+        for ref in entry.chunks:
+            keyed.append((offset / entry.size if entry.size else 0.0, index, ref.id))
+            offset += ref.size
+    keyed.sort(key=lambda k: (k[0], k[1]))
     order: list[str] = []
     seen: set[str] = set()
-    for group in itertools.zip_longest(*(entry.chunks for entry in files)):
-        for ref in group:
-            if ref is not None and ref.id not in seen:
-                seen.add(ref.id)
-                order.append(ref.id)
+    for _, _, chunk_id in keyed:
+        if chunk_id not in seen:
+            seen.add(chunk_id)
+            order.append(chunk_id)
     return order
 
 
@@ -303,6 +312,11 @@ def _write_place(
             _pwrite_all(target.fd, view[shift:lo], offset)
         if tail < size:
             _pwrite_all(target.fd, view[hi : shift + size], end)
+        # What went through the page cache (edges, short runs) starts for the disk now, as
+        # the O_DIRECT part did: the file's fsync then has little left to wait for, and the
+        # pages are not kept (DONTNEED starts writeback; dirty data is never dropped).
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(target.fd, offset, size, os.POSIX_FADV_DONTNEED)
         return done
     finally:
         view.release()
@@ -319,8 +333,14 @@ def pull_files(
     progress: ProgressFn | None,
     direct: bool = True,
     durable: bool = True,
+    decoders: int = 2,
+    writers: int = _WRITERS,
 ) -> PullStats:
-    """Write every file of ``manifest`` under ``dest``; on failure, remove what was written."""
+    """Write every file of ``manifest`` under ``dest``; on failure, remove what was written.
+
+    Chunks are fetched on ``executor``'s threads; at most ``decoders`` of them decompress and
+    verify at once (one per core: zstd and BLAKE3 release the GIL), ``writers`` threads write.
+    """
     stats = PullStats(bytes_total=manifest.bytes_total)
     stats.chunks_total = sum(len(f.chunks) for f in manifest.files)
     targets = check_targets(manifest, dest)  # before anything is written
@@ -329,7 +349,8 @@ def pull_files(
     budget = ByteBudget(budget_bytes)
     buffers = _Buffers()
     token = secrets.token_hex(4)
-    writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpusnap-pull-write")
+    writer = ThreadPoolExecutor(writers, thread_name_prefix="gpusnap-pull-write")
+    decoding = threading.BoundedSemaphore(decoders)
     futures: list[Future[None]] = []
     try:
         _make_dirs(dest, layout)
@@ -345,6 +366,8 @@ def pull_files(
             fd = os.open(tmp, flags, 0o600)
             target = _Target(tmp, fd, None)
             layout.temps[entry.path] = target
+            # Its mode now (never setuid/setgid/sticky): the fsync of its data covers it too.
+            os.fchmod(fd, entry.mode & 0o777)
             os.ftruncate(fd, entry.size)
             if direct and entry.size >= _MIN_DIRECT:
                 target.dfd = _open_direct(tmp)
@@ -353,9 +376,34 @@ def pull_files(
                 places.setdefault(ref.id, []).append((target, offset))
                 sizes[ref.id] = ref.size
                 offset += ref.size
+            target.unwritten = len(entry.chunks)
 
         writes: list[Future[None]] = []
         writes_lock = threading.Lock()
+
+        def written(chunk_id: str) -> list[_Target]:
+            """Count the places of a chunk as written; the files that are now complete."""
+            complete = []
+            with stats.lock:
+                stats.bytes_done += sizes[chunk_id] * len(places[chunk_id])
+                for target, _ in places[chunk_id]:
+                    target.unwritten -= 1
+                    if target.unwritten == 0:
+                        complete.append(target)
+            return complete
+
+        def sync(target: _Target) -> None:
+            # A durable pull syncs each file as soon as its last chunk is in, on a writer
+            # thread while other chunks still decode, not all of them at the end.
+            if durable and not run.abort.is_set():
+                os.fsync(target.fd)
+                target.synced = True
+
+        def sync_task(target: _Target) -> None:
+            try:
+                sync(target)
+            except BaseException as exc:
+                run.fail(dest_error(exc, dest))
 
         def write(chunk_id: str, obj_len: int, buf: mmap.mmap, shift: int) -> None:
             size = sizes[chunk_id]
@@ -370,8 +418,9 @@ def pull_files(
                 for target, offset in where:
                     done_direct += _write_place(target, buf, shift, size, offset, sparse=sparse)
                 with stats.lock:
-                    stats.bytes_done += size * len(where)
                     stats.bytes_direct += done_direct
+                for target in written(chunk_id):
+                    sync(target)
             except BaseException as exc:
                 run.fail(dest_error(exc, dest))
             finally:
@@ -387,12 +436,15 @@ def pull_files(
                     return
                 obj = backend.get(chunk_key(chunk_id))
                 shift = places[chunk_id][0][1] % ALIGN
-                buf = buffers.take()
-                out = memoryview(buf)[shift : shift + size]
-                try:
-                    codec.decode_into(chunk_id, obj, out)  # verified before any byte is used
-                finally:
-                    out.release()
+                with decoding:  # fetches overlap freely; decodes run one per core
+                    if run.abort.is_set():
+                        return
+                    buf = buffers.take()
+                    out = memoryview(buf)[shift : shift + size]
+                    try:
+                        codec.decode_into(chunk_id, obj, out)  # verified before any use
+                    finally:
+                        out.release()
                 with stats.lock:
                     stats.bytes_fetched += len(obj)
                 # Writes block (O_DIRECT, one at a time per file): on their own threads, so
@@ -415,7 +467,9 @@ def pull_files(
         zeros = {MAX_SIZE: codec.chunk_id(bytes(MAX_SIZE))} if MAX_SIZE in sizes.values() else {}
         for chunk_id in _interleaved(manifest.files):
             if zeros.get(sizes[chunk_id]) == chunk_id:
-                stats.bytes_done += sizes[chunk_id] * len(places[chunk_id])
+                for target in written(chunk_id):
+                    with writes_lock:
+                        writes.append(writer.submit(sync_task, target))
                 continue
             budget.acquire(sizes[chunk_id], run.abort)
             if run.abort.is_set():
@@ -432,19 +486,17 @@ def pull_files(
             if progress is not None:
                 progress(stats.bytes_done, stats.bytes_total)
         run.check()
-        by_path = {entry.path: entry for entry in manifest.files}
-        for path, target in layout.temps.items():
-            target.no_direct()
-            os.fchmod(target.fd, by_path[path].mode & 0o777)  # never setuid/setgid/sticky
-            if durable:
-                os.fsync(target.fd)
+        # The files not synced yet (empty ones: no chunk completed them), all at once.
+        unsynced = [t for t in layout.temps.values() if durable and not t.synced]
+        for fut in [writer.submit(os.fsync, t.fd) for t in unsynced]:
+            fut.result()
         for path, target in list(layout.temps.items()):
             target.close()
             os.rename(target.tmp, targets[path])
             del layout.temps[path]
             layout.renamed.append(targets[path])
         if durable:
-            _sync_dirs({targets[p].parent for p in by_path} | {dest, dest.parent})
+            _sync_dirs({targets[e.path].parent for e in manifest.files} | {dest, dest.parent})
     except BaseException as exc:
         run.abort.set()
         # Nothing may still write through a descriptor that undo is about to close.

@@ -325,16 +325,21 @@ class CheckpointStore:
             manifest = replace(
                 manifest, files=[f for f in manifest.files if f.path not in left_out]
             )
+        # A local store's chunks are read faster than they decode: one thread per core both
+        # reads and decodes (more only contend for the cores). A remote store's fetches wait
+        # on the network: many in flight, their decodes still one per core.
+        local = self.backend.url.startswith("file://")
         stats = pull_files(
             manifest,
             dest,
             backend=self.backend,
             codec=self._codec,
-            executor=self._io_executor,
+            executor=self._executor if local else self._io_executor,
             budget_bytes=self._budget,
             progress=progress,
             direct=direct,
             durable=durable,
+            decoders=self.workers,
         )
         return PullResult(
             checkpoint_id,

@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -117,6 +120,91 @@ def test_one_chunk_at_two_alignments(store: CheckpointStore, tmp_path: Path) -> 
     store.pull(pushed.checkpoint_id, dest)
     for name in ("a.bin", "b.bin", "c.bin"):
         assert (dest / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def test_a_durable_pull_syncs_each_file_once_before_it_is_renamed(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    files = image(src)
+    pushed = store.push(src, workload="w")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    dest = tmp_path / "dest"
+    store.pull(pushed.checkpoint_id, dest)
+    temps = sorted(p for p in synced if Path(p).name.startswith(pull_mod.TMP_PREFIX))
+    # Every file under its temporary name (so before the rename), once; then the directory.
+    assert sorted(Path(p).name.split("-", 3)[-1] for p in temps) == sorted(files)
+    assert str(dest) in synced
+    synced.clear()
+    store.pull(pushed.checkpoint_id, tmp_path / "staging", direct=False, durable=False)
+    assert synced == []
+
+
+def test_files_are_written_at_the_same_pace(store: CheckpointStore, tmp_path: Path) -> None:
+    """The chunk order keeps every file in progress until the end (one file alone at the end
+    serialises the writes on its inode)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(random_bytes(24 * MiB, 1))
+    (src / "small.bin").write_bytes(random_bytes(6 * MiB, 2))
+    manifest = store.manifest(store.push(src, workload="w").checkpoint_id)
+    order = pull_mod._interleaved(manifest.files)
+    big, small = ([r.id for r in e.chunks] for e in sorted(manifest.files, key=lambda e: -e.size))
+    assert sorted(order) == sorted(set(big + small))
+    # The small file's last chunk comes late, not once the first few of the big one are out.
+    assert order.index(small[-1]) > len(order) * 0.6, (len(big), len(small))
+    # And each file's chunks keep their own order.
+    assert [c for c in order if c in small] == small
+    assert [c for c in order if c in big] == big
+
+
+def test_decodes_run_at_most_decoders_at_once(store: CheckpointStore, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = image(src)
+    pushed = store.push(src, workload="w")
+    manifest = store.manifest(pushed.checkpoint_id)
+    codec = store._codec
+    live = 0
+    peak = 0
+    lock = threading.Lock()
+
+    class CountingCodec:
+        def decode_into(self, chunk_id: str, obj: bytes, out: memoryview) -> None:
+            nonlocal live, peak
+            with lock:
+                live += 1
+                peak = max(peak, live)
+            try:
+                time.sleep(0.02)  # long enough for the fetch threads to pile up
+                codec.decode_into(chunk_id, obj, out)
+            finally:
+                with lock:
+                    live -= 1
+
+        def chunk_id(self, data: bytes) -> str:
+            return codec.chunk_id(data)
+
+    with ThreadPoolExecutor(8) as fetchers:
+        pull_mod.pull_files(
+            manifest,
+            tmp_path / "dest",
+            backend=store.backend,
+            codec=CountingCodec(),  # type: ignore[arg-type]
+            executor=fetchers,
+            budget_bytes=256 * MiB,
+            progress=None,
+            decoders=2,
+        )
+    assert peak == 2
+    for rel, data in files.items():
+        assert (tmp_path / "dest" / rel).read_bytes() == data, rel
 
 
 def test_filesystem_refusing_direct_writes_falls_back(
