@@ -67,6 +67,7 @@ class Node:
     store_url: str
     key_file: Path
     extra_config: str = ""
+    daemon_config: str = ""  # more keys of the [daemon] table
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     _logs: list[Path] = field(default_factory=list)
@@ -94,7 +95,7 @@ class Node:
 socket = "{self.socket}"
 state_dir = "{self.state_dir}"
 node_id = "{self.name}"
-
+{self.daemon_config}
 [store]
 {store}
 [gpu]
@@ -164,13 +165,21 @@ class Nodes:
         generate_signing_key(self.key_file)
         self.items: list[Node] = []
 
-    def make(self, name: str, *, extra_config: str = "", store_url: str | None = None) -> Node:
+    def make(
+        self,
+        name: str,
+        *,
+        extra_config: str = "",
+        store_url: str | None = None,
+        daemon_config: str = "",
+    ) -> Node:
         node = Node(
             name,
             self.base / name,
             store_url or f"file://{self.store_dir}",
             self.key_file,
             extra_config,
+            daemon_config,
         )
         node.root.mkdir(parents=True, exist_ok=True)
         self.items.append(node)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon import proctree
 from tests.e2e.conftest import BIN, Node, Nodes
 from tests.support import workloads
@@ -48,22 +48,24 @@ def _job(node: Node, job_id: str) -> dict[str, object]:
 def test_daemon_killed_mid_upload_comes_back_with_the_job_interrupted_and_nothing_half_committed(
     nodes: Nodes, holder: subprocess.Popen[bytes]
 ) -> None:
-    node = nodes.make("a").start()
-    queued = node.cli("checkpoint", "--pid", str(holder.pid), "--leave-running", "--json")
-    assert queued.rc == 0, queued.stderr
-    job_id = queued.json["id"]
+    # Everything is uploaded after the dump (no upload while CRIU writes), so the upload
+    # phase is long enough to be caught: the job's own stream says when it starts.
+    node = nodes.make("a", daemon_config="upload_during_dump = false").start()
+    with DaemonClient.for_socket(node.socket) as client:
+        job_id = client.checkpoint(pid=holder.pid, leave_running=True)["id"]
 
-    # A second checkpoint of the same workload while the first runs is refused, clearly.
-    again = node.cli("checkpoint", "--pid", str(holder.pid), "--leave-running")
-    assert again.rc == 1
-    assert f"already has checkpoint job {job_id}" in again.stderr
+        # A second checkpoint of the same workload while the first runs is refused, clearly.
+        again = node.cli("checkpoint", "--pid", str(holder.pid), "--leave-running")
+        assert again.rc == 1
+        assert f"already has checkpoint job {job_id}" in again.stderr
 
-    deadline = time.monotonic() + 120
-    while _job(node, job_id)["phase"] != "upload":
-        assert _job(node, job_id)["state"] in ("queued", "running"), _job(node, job_id)
-        assert time.monotonic() < deadline, "the job never reached the upload phase"
-        time.sleep(0.05)
-    node.kill()
+        for snapshot in client.watch_job(job_id):
+            assert snapshot["state"] in ("queued", "running"), snapshot
+            if snapshot["phase"] == "upload":
+                node.kill()  # SIGKILL, mid-upload
+                break
+        else:
+            pytest.fail(f"job {job_id} ended without an upload phase")
     staged = list((node.state_dir / "staging").iterdir())
     assert staged, "the killed daemon left its staging behind (that is what recovery cleans)"
 
