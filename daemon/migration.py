@@ -508,6 +508,17 @@ class StandbyLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return  # still in a look at the board: it keeps what it could not record
+        # Outcomes still not recorded get one last try; one that does not land leaves its
+        # claim live until the claim timeout, after which another node may act on it.
+        self._record_unrecorded()
+        for claim, _args in self._unrecorded:
+            log.error(
+                "%s: stopping with its migration outcome unrecorded (the store refused it); "
+                "after [migration] claim_timeout another standby may adopt it again",
+                claim.checkpoint_id,
+            )
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -308,6 +308,20 @@ def test_an_outcome_the_store_refused_is_retried_and_the_restore_not_run_twice(
     assert loop.tick() == []
 
 
+def test_an_unrecorded_outcome_gets_a_last_try_when_the_standby_stops(
+    store: CheckpointStore,
+) -> None:
+    b = MigrationBoard(OutcomePutFails(store.backend, times=1), store)  # type: ignore[arg-type]
+    cid = new_checkpoint_id()
+    b.publish(cid, "llm", "node-a")
+    _calls, run = restore_ok("restored")
+    loop = StandbyLoop(b, "node-b", compatible, run)  # type: ignore[arg-type]
+    assert loop.tick() == []
+    assert b.get(cid).status == "claimed"
+    loop.stop()
+    assert b.get(cid).status == "restored"
+
+
 def test_parse_migration_config() -> None:
     cfg = parse_migration_config({"standby": True, "cold_start_after": 30, "node_id": "n1"})
     assert (cfg.standby, cfg.cold_start_after, cfg.node_id) == (True, 30.0, "n1")
