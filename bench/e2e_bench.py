@@ -17,7 +17,13 @@ disks. Targets (issue 3):
 - trigger-to-commit <= bare dump + bare zstd
 - restore request-to-running <= 1.2 x (bare restore + bare decompression)
 
-    .venv/bin/python bench/e2e_bench.py [--gib 2] [--workdir /dev/shm/x] [--json-out FILE]
+Dumps alternate which side goes first, round by round, and each side's images are freed as
+soon as its dump is timed (gpusnapd frees its staging at the end of its job; the bare images
+are removed right after each bare dump), so that no side's dumps write into memory the other
+side still holds; the baselines' images come from one more, untimed, bare dump.
+
+    .venv/bin/python bench/e2e_bench.py [--gib 2] [--rounds 2] [--workdir /dev/shm/x]
+                                        [--json-out FILE] [--no-upload-during-dump]
 
 Prints a table and one JSON line; says honestly which targets were met.
 """
