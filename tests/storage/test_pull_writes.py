@@ -57,15 +57,19 @@ def image(root: Path) -> dict[str, bytes]:
     return files
 
 
+def pushed_image(store: CheckpointStore, tmp_path: Path) -> tuple[dict[str, bytes], str]:
+    """``image()`` written under ``tmp_path/src`` and pushed: its files and checkpoint id."""
+    files = image(tmp_path / "src")
+    return files, store.push(tmp_path / "src", workload="w").checkpoint_id
+
+
 @pytest.mark.parametrize(("direct", "durable"), [(True, True), (False, False), (True, False)])
 def test_pull_round_trips_every_mode(
     store: CheckpointStore, tmp_path: Path, direct: bool, durable: bool
 ) -> None:
-    src = tmp_path / "src"
-    files = image(src)
-    pushed = store.push(src, workload="w")
+    files, cid = pushed_image(store, tmp_path)
     dest = tmp_path / "dest"
-    store.pull(pushed.checkpoint_id, dest, direct=direct, durable=durable)
+    store.pull(cid, dest, direct=direct, durable=durable)
     for rel, data in files.items():
         assert (dest / rel).read_bytes() == data, rel
     assert not [p.name for p in dest.iterdir() if p.name.startswith(pull_mod.TMP_PREFIX)]
@@ -74,10 +78,8 @@ def test_pull_round_trips_every_mode(
 def test_direct_pull_writes_the_block_aligned_interiors_directly(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = tmp_path / "src"
-    files = image(src)
-    pushed = store.push(src, workload="w")
-    manifest = store.manifest(pushed.checkpoint_id)
+    files, cid = pushed_image(store, tmp_path)
+    manifest = store.manifest(cid)
     stats = pull_mod.pull_files(
         manifest,
         tmp_path / "dest",
@@ -94,11 +96,9 @@ def test_direct_pull_writes_the_block_aligned_interiors_directly(
 
 
 def test_zero_grains_stay_holes(store: CheckpointStore, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    files = image(src)
-    pushed = store.push(src, workload="w")
+    files, cid = pushed_image(store, tmp_path)
     dest = tmp_path / "dest"
-    store.pull(pushed.checkpoint_id, dest)
+    store.pull(cid, dest)
     kv = dest / "kv.bin"
     assert kv.read_bytes() == files["kv.bin"]
     allocated = os.stat(kv).st_blocks * 512
@@ -115,9 +115,9 @@ def test_one_chunk_at_two_alignments(store: CheckpointStore, tmp_path: Path) -> 
     (src / "a.bin").write_bytes(block)
     (src / "b.bin").write_bytes(random_bytes(777, 8) + block)
     (src / "c.bin").write_bytes(random_bytes(4096, 9) + block)
-    pushed = store.push(src, workload="w")
+    cid = store.push(src, workload="w").checkpoint_id
     dest = tmp_path / "dest"
-    store.pull(pushed.checkpoint_id, dest)
+    store.pull(cid, dest)
     for name in ("a.bin", "b.bin", "c.bin"):
         assert (dest / name).read_bytes() == (src / name).read_bytes(), name
 
@@ -125,9 +125,7 @@ def test_one_chunk_at_two_alignments(store: CheckpointStore, tmp_path: Path) -> 
 def test_a_durable_pull_syncs_each_file_once_before_it_is_renamed(
     store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src = tmp_path / "src"
-    files = image(src)
-    pushed = store.push(src, workload="w")
+    files, cid = pushed_image(store, tmp_path)
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -137,13 +135,13 @@ def test_a_durable_pull_syncs_each_file_once_before_it_is_renamed(
 
     monkeypatch.setattr(os, "fsync", fsync)
     dest = tmp_path / "dest"
-    store.pull(pushed.checkpoint_id, dest)
+    store.pull(cid, dest)
     temps = sorted(p for p in synced if Path(p).name.startswith(pull_mod.TMP_PREFIX))
     # Every file under its temporary name (so before the rename), once; then the directory.
     assert sorted(Path(p).name.split("-", 3)[-1] for p in temps) == sorted(files)
     assert str(dest) in synced
     synced.clear()
-    store.pull(pushed.checkpoint_id, tmp_path / "staging", direct=False, durable=False)
+    store.pull(cid, tmp_path / "staging", direct=False, durable=False)
     assert synced == []
 
 
@@ -166,10 +164,8 @@ def test_files_are_written_at_the_same_pace(store: CheckpointStore, tmp_path: Pa
 
 
 def test_decodes_run_at_most_decoders_at_once(store: CheckpointStore, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    files = image(src)
-    pushed = store.push(src, workload="w")
-    manifest = store.manifest(pushed.checkpoint_id)
+    files, cid = pushed_image(store, tmp_path)
+    manifest = store.manifest(cid)
     codec = store._codec
     live = 0
     peak = 0
@@ -210,9 +206,7 @@ def test_decodes_run_at_most_decoders_at_once(store: CheckpointStore, tmp_path: 
 def test_filesystem_refusing_direct_writes_falls_back(
     store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src = tmp_path / "src"
-    files = image(src)
-    pushed = store.push(src, workload="w")
+    files, cid = pushed_image(store, tmp_path)
     real_pwrite = os.pwrite
     direct_fds: set[int] = set()
     real_open = os.open
@@ -231,7 +225,7 @@ def test_filesystem_refusing_direct_writes_falls_back(
     monkeypatch.setattr(pull_mod.os, "open", tracking_open)
     monkeypatch.setattr(pull_mod.os, "pwrite", refusing_pwrite)
     dest = tmp_path / "dest"
-    result = store.pull(pushed.checkpoint_id, dest)
+    result = store.pull(cid, dest)
     assert direct_fds, "O_DIRECT was never tried"
     for rel, data in files.items():
         assert (dest / rel).read_bytes() == data, rel
@@ -241,9 +235,7 @@ def test_filesystem_refusing_direct_writes_falls_back(
 def test_disk_error_on_a_direct_write_fails_the_pull_and_leaves_nothing(
     store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src = tmp_path / "src"
-    image(src)
-    pushed = store.push(src, workload="w")
+    _files, cid = pushed_image(store, tmp_path)
     real_pwrite = os.pwrite
     calls = 0
 
@@ -257,7 +249,7 @@ def test_disk_error_on_a_direct_write_fails_the_pull_and_leaves_nothing(
     monkeypatch.setattr(pull_mod.os, "pwrite", failing_pwrite)
     dest = tmp_path / "dest"
     with pytest.raises(Exception, match="Input/output error"):
-        store.pull(pushed.checkpoint_id, dest)
+        store.pull(cid, dest)
     assert not dest.exists() or not list(dest.rglob("*"))
 
 
@@ -265,12 +257,10 @@ def test_pull_onto_tmpfs(store: CheckpointStore, tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir() or not os.access(shm, os.W_OK):
         pytest.skip("no writable /dev/shm")
-    src = tmp_path / "src"
-    files = image(src)
-    pushed = store.push(src, workload="w")
+    files, cid = pushed_image(store, tmp_path)
     dest = shm / f"gpusnap-pull-test-{os.getpid()}"
     try:
-        store.pull(pushed.checkpoint_id, dest)
+        store.pull(cid, dest)
         for rel, data in files.items():
             assert (dest / rel).read_bytes() == data, rel
     finally:

@@ -288,16 +288,23 @@ class OutcomePutFails:
         return getattr(self._backend, name)
 
 
+def standby_whose_outcome_is_refused(
+    store: CheckpointStore, times: int
+) -> tuple[MigrationBoard, str, list[str], StandbyLoop]:
+    """A published request and a compatible standby whose first ``times`` outcome puts fail."""
+    b = MigrationBoard(OutcomePutFails(store.backend, times=times), store)  # type: ignore[arg-type]
+    cid = new_checkpoint_id()
+    b.publish(cid, "llm", "node-a")
+    calls, run = restore_ok("restored")
+    return b, cid, calls, StandbyLoop(b, "node-b", compatible, run)  # type: ignore[arg-type]
+
+
 def test_an_outcome_the_store_refused_is_retried_and_the_restore_not_run_twice(
     store: CheckpointStore,
 ) -> None:
     # Lost, the outcome would leave the claim live and then stale after the claim timeout:
     # another node would take it over and start the workload a second time.
-    b = MigrationBoard(OutcomePutFails(store.backend, times=2), store)  # type: ignore[arg-type]
-    cid = new_checkpoint_id()
-    b.publish(cid, "llm", "node-a")
-    calls, run = restore_ok("restored")
-    loop = StandbyLoop(b, "node-b", compatible, run)  # type: ignore[arg-type]
+    b, cid, calls, loop = standby_whose_outcome_is_refused(store, times=2)
     assert loop.tick() == []  # restored; the outcome did not land
     assert b.get(cid).status == "claimed"
     assert loop.tick() == []  # the store still refuses it; still kept
@@ -311,11 +318,7 @@ def test_an_outcome_the_store_refused_is_retried_and_the_restore_not_run_twice(
 def test_an_unrecorded_outcome_gets_a_last_try_when_the_standby_stops(
     store: CheckpointStore,
 ) -> None:
-    b = MigrationBoard(OutcomePutFails(store.backend, times=1), store)  # type: ignore[arg-type]
-    cid = new_checkpoint_id()
-    b.publish(cid, "llm", "node-a")
-    _calls, run = restore_ok("restored")
-    loop = StandbyLoop(b, "node-b", compatible, run)  # type: ignore[arg-type]
+    b, cid, _calls, loop = standby_whose_outcome_is_refused(store, times=1)
     assert loop.tick() == []
     assert b.get(cid).status == "claimed"
     loop.stop()
