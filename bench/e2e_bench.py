@@ -106,6 +106,16 @@ def dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
 
 
+def bare_dump_into(criu: Criu, pid: int, images: Path, log: Path) -> str:
+    """``criu dump --leave-running`` of ``pid`` into ``images``, bare; CRIU's stats output."""
+    out = subprocess.run(
+        [str(criu.path), "dump", "-t", str(pid), "-D", str(images), "--leave-running",
+         *CRIU_COMMON, "--link-remap", "--display-stats", "-o", str(log)],
+        capture_output=True, text=True, timeout=GUARD, check=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return out.stdout
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=2.0, help="GiB the process holds (default 2)")
@@ -186,11 +196,7 @@ def main() -> int:
         # one goes first alternating round by round, and each reports its best pause.
         warm = work / "warm-up"
         warm.mkdir()
-        subprocess.run(
-            [str(criu.path), "dump", "-t", str(pid), "-D", str(warm), "--leave-running",
-             *CRIU_COMMON, "--link-remap", "-o", str(work / "warm-up-dump.log")],
-            capture_output=True, timeout=GUARD, check=True, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        bare_dump_into(criu, pid, warm, work / "warm-up-dump.log")
         shutil.rmtree(warm)
         bare_dumps: list[tuple[float, float]] = []
         bare_writes: list[float] = []  # CRIU's "Memory write time", per round
@@ -207,15 +213,9 @@ def main() -> int:
                     continue
                 bare.mkdir()
                 t = time.monotonic()
-                out = subprocess.run(
-                    [str(criu.path), "dump", "-t", str(pid), "-D", str(bare), "--leave-running",
-                     *CRIU_COMMON, "--link-remap", "--display-stats",
-                     "-o", str(work / f"bare-dump-{round_}.log")],
-                    capture_output=True, text=True, timeout=GUARD, check=True,
-                    stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+                stdout = bare_dump_into(criu, pid, bare, work / f"bare-dump-{round_}.log")
                 wall = time.monotonic() - t
-                stats = parse_stats(out.stdout)
+                stats = parse_stats(stdout)
                 frozen = (stats.get("Freezing time", 0) + stats.get("Frozen time", 0)) / 1e6
                 bare_dumps.append((wall, frozen))
                 bare_writes.append(stats.get("Memory write time", 0) / 1e6)
@@ -227,11 +227,7 @@ def main() -> int:
                 shutil.rmtree(bare)
         # The images the baselines (zstd, restore) work on: one more bare dump, not timed.
         bare.mkdir()
-        subprocess.run(
-            [str(criu.path), "dump", "-t", str(pid), "-D", str(bare), "--leave-running",
-             *CRIU_COMMON, "--link-remap", "-o", str(work / "bare-dump-baselines.log")],
-            capture_output=True, timeout=GUARD, check=True, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        bare_dump_into(criu, pid, bare, work / "bare-dump-baselines.log")
         bare_dump, bare_frozen = min(bare_dumps)
         ck = checkpoints[0]
         images_bytes = dir_bytes(bare)
