@@ -35,10 +35,7 @@ from google.protobuf import json_format, struct_pb2
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gpusnap.cli._tls import ClientTls, explain_unreachable, load_client_tls, parse_address
-from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
-from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
-from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     DeadlineExceeded,
     GpusnapError,
     Internal,
@@ -47,6 +44,9 @@ from gpusnap.storage.errors import (
     Unreachable,
     error_from_kind,
 )
+from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
+from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
+from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
 
 DEFAULT_SOCKET = Path("/run/gpusnap/gpusnapd.sock")
 # sun_path holds 108 bytes with its NUL; gRPC cannot even form a channel to a longer path.

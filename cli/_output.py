@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from gpusnap.storage.errors import GpusnapError, exit_code_for
+from gpusnap.errors import GpusnapError, exit_code_for
 
 PROG = "gpusnap"
 

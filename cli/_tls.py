@@ -20,7 +20,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 
-from gpusnap.storage.errors import InvalidArgument
+from gpusnap.errors import InvalidArgument
 
 # Far above any certificate chain; keeps `--tls-ca /dev/zero` from reading forever.
 MAX_PEM_BYTES = 1024 * 1024

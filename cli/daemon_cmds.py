@@ -20,7 +20,7 @@ from gpusnap.cli._client import DaemonClient, connect
 from gpusnap.cli._common import Subparsers, common_parser, stderr_is_tty
 from gpusnap.cli._output import PROG, ProgressBar, human_bytes, print_json, render_table
 from gpusnap.cli.store_cmds import render_manifest
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     ERROR_TABLE,
     EXIT_OK,
     InvalidArgument,

@@ -4,7 +4,7 @@
 commands (added by ``cli/daemon_cmds.py`` and ``cli/trigger_cmds.py`` when present) talk to
 ``gpusnapd`` over gRPC.
 
-Exit codes (one table, ``storage/errors.py``): 0 success, 1 any other error, 2 usage error,
+Exit codes (one table, ``gpusnap/errors.py``): 0 success, 1 any other error, 2 usage error,
 3 not found, 4 integrity or authenticity failure, 5 daemon unreachable, 130 interrupted.
 Errors are one line on stderr, never a traceback (unless ``-v`` or ``GPUSNAP_DEBUG=1``).
 """
@@ -23,7 +23,7 @@ from gpusnap import __version__
 from gpusnap.cli import store_cmds
 from gpusnap.cli._common import Subparsers, common_parser
 from gpusnap.cli._output import PROG, print_error
-from gpusnap.storage.errors import EXIT_FAILURE, GpusnapError
+from gpusnap.errors import EXIT_FAILURE, GpusnapError
 
 # Command modules written alongside this one; each is optional until it lands.
 _OPTIONAL_COMMAND_MODULES = ("daemon_cmds", "trigger_cmds")

@@ -26,8 +26,7 @@ from gpusnap.cli._common import (
     store_parser,
 )
 from gpusnap.cli._output import ProgressBar, human_bytes, print_json, render_table
-from gpusnap.storage import CheckpointStore, generate_encryption_key, generate_signing_key
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_INTEGRITY,
     EXIT_OK,
@@ -37,6 +36,7 @@ from gpusnap.storage.errors import (
     NotFound,
     exit_code_for,
 )
+from gpusnap.storage import CheckpointStore, generate_encryption_key, generate_signing_key
 
 Progress = Callable[[int, int], None]
 

@@ -17,7 +17,7 @@ from typing import Any
 from gpusnap.cli._client import connect
 from gpusnap.cli._common import Subparsers, common_parser, parse_duration
 from gpusnap.cli._output import PROG, print_json, render_table
-from gpusnap.storage.errors import EXIT_OK
+from gpusnap.errors import EXIT_OK
 
 
 def _ago(epoch: object) -> str:

@@ -3,7 +3,7 @@
 ``DaemonServiceAPI`` is a structural type: ``daemon/service.py``'s ``DaemonService`` satisfies
 it, and so does any test double. The servicer (``daemon/grpc_server.py``) only converts
 protobuf messages to these calls and the results back; every decision is made behind this
-interface. Methods raise the error kinds of ``gpusnap.storage.errors``.
+interface. Methods raise the error kinds of ``gpusnap.errors``.
 """
 
 from __future__ import annotations

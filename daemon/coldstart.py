@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.config import StartSpec
-from gpusnap.storage.errors import FailedPrecondition, InvalidArgument
+from gpusnap.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusnap.daemon.triggers.policy import POLICY_KEYS, parse_workload_policy
+from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage.backend import BackendOptions, registered_schemes
-from gpusnap.storage.errors import GpusnapError, InvalidArgument
 from gpusnap.storage.keys import load_encryption_key, load_signing_key
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpusnap/gpusnapd.toml")

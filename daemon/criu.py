@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.daemon import proctree
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     GpusnapError,

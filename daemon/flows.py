@@ -28,7 +28,7 @@ from gpusnap.daemon.dumpstream import PageImageFollower
 from gpusnap.daemon.jobs import JobContext
 from gpusnap.daemon.model import Phase
 from gpusnap.daemon.stamp import STAMP_VERSION, file_entry, gpusnap_stamp, identity_stamp
-from gpusnap.storage.errors import FailedPrecondition, GpusnapError, NotFound
+from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound, with_message
 from gpusnap.storage.streams import GPU_MEMORY_KIND, UploadedStreams
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def run_checkpoint(svc: DaemonService, ctx: JobContext, req: CheckpointRequest) 
                 rescued = _rescue(
                     svc, ctx, images, freeze=freeze, gpu_stamp=stamp["gpu"], store=store
                 )
-                raise type(err)(f"{err}; {rescued}") from err
+                raise with_message(err, f"{err}; {rescued}") from err
             raise
         ctx.phase(Phase.COMMIT)
         committed = time.time()

@@ -31,10 +31,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from gpusnap.daemon.api import DaemonServiceAPI
 from gpusnap.daemon.model import CompatVerdict, Job
-from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
-from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
-from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     ERROR_TABLE,
     AlreadyExists,
     FailedPrecondition,
@@ -43,6 +40,9 @@ from gpusnap.storage.errors import (
     InvalidArgument,
     Unavailable,
 )
+from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
+from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
+from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

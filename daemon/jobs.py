@@ -23,7 +23,7 @@ from typing import Any
 
 from gpusnap.daemon.journal import Journal
 from gpusnap.daemon.model import Job, JobKind, JobState, Phase
-from gpusnap.storage.errors import Cancelled, FailedPrecondition, GpusnapError, NotFound
+from gpusnap.errors import Cancelled, FailedPrecondition, GpusnapError, NotFound
 
 log = logging.getLogger(__name__)
 

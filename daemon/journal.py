@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.model import Job, JobKind, JobState, Phase, Progress
-from gpusnap.storage.errors import Unavailable
+from gpusnap.errors import Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from gpusnap.daemon.grpc_server import TcpListenerConfig, start_server, stop_ser
 from gpusnap.daemon.metrics import start_metrics_server
 from gpusnap.daemon.service import DaemonService
 from gpusnap.daemon.statedir import StateDirLock
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,

@@ -43,8 +43,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from gpusnap.daemon.model import CompatVerdict, Job, JobState
-from gpusnap.storage.backend import Backend
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     AlreadyExists,
     Corrupt,
     FailedPrecondition,
@@ -52,6 +51,7 @@ from gpusnap.storage.errors import (
     InvalidArgument,
     NotFound,
 )
+from gpusnap.storage.backend import Backend
 from gpusnap.storage.manifest import check_checkpoint_id
 
 log = logging.getLogger(__name__)

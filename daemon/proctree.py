@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.storage.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 

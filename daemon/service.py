@@ -39,14 +39,14 @@ from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.model import CompatVerdict, Job, JobKind
 from gpusnap.daemon.stamp import NodeFacts, check_compat, gpusnap_stamp, host_stamp
 from gpusnap.daemon.statedir import StateDirLock, prepare_dir
-from gpusnap.storage import CheckpointStore, open_store
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,
     InvalidArgument,
     NotFound,
     Unsupported,
 )
+from gpusnap.storage import CheckpointStore, open_store
 from gpusnap.storage.manifest import Manifest, check_checkpoint_id, check_workload
 
 log = logging.getLogger(__name__)

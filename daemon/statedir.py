@@ -22,7 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from gpusnap.storage.errors import FailedPrecondition, InvalidArgument
+from gpusnap.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from gpusnap.storage.errors import InvalidArgument
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage.retry import RetryingBackend  # retry.py needs this module for types only
 
 

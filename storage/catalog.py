@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gpusnap.storage.backend import Backend
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     AlreadyExists,
     Corrupt,
     FailedPrecondition,
     GpusnapError,
     NotFound,
 )
+from gpusnap.storage.backend import Backend
 from gpusnap.storage.keys import EncryptionKeys, SigningKey, seal, unseal
 from gpusnap.storage.manifest import (
     ENVELOPE_FORMAT,

@@ -25,8 +25,8 @@ import zstandard
 from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 
+from gpusnap.errors import Corrupt, FailedPrecondition
 from gpusnap.storage.chunker import MAX_SIZE
-from gpusnap.storage.errors import Corrupt, FailedPrecondition
 from gpusnap.storage.keys import NONCE_BYTES, EncryptionKeys
 
 MAGIC = b"GSNC"

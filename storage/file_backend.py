@@ -37,6 +37,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote, urlsplit
 
+from gpusnap.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    GpusnapError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+)
 from gpusnap.storage.backend import (
     BackendOptions,
     ObjectInfo,
@@ -44,14 +52,6 @@ from gpusnap.storage.backend import (
     register_backend,
     validate_key,
     validate_prefix,
-)
-from gpusnap.storage.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    GpusnapError,
-    Internal,
-    InvalidArgument,
-    NotFound,
 )
 from gpusnap.storage.file_ops import (
     DIR_FLAGS,

@@ -27,19 +27,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from gpusnap.storage.backend import (
-    Backend,
-    ObjectInfo,
-    release_space_reserve,
-    restore_space_reserve,
-)
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     Corrupt,
     FailedPrecondition,
     GpusnapError,
     InvalidArgument,
     NotFound,
     Unavailable,
+)
+from gpusnap.storage.backend import (
+    Backend,
+    ObjectInfo,
+    release_space_reserve,
+    restore_space_reserve,
 )
 from gpusnap.storage.index import ChunkIndex
 from gpusnap.storage.manifest import (

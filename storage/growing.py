@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Generator
 from pathlib import Path
 
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.errors import InvalidArgument
 from gpusnap.storage.pipeline import PushInput, _Named
 from gpusnap.storage.streams import UNKNOWN_SIZE
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from gpusnap.storage.errors import FailedPrecondition
+from gpusnap.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpusnap.storage.errors import Corrupt, FailedPrecondition, InvalidArgument, NotFound
+from gpusnap.errors import Corrupt, FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 

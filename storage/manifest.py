@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpusnap.storage.errors import Corrupt, InvalidArgument
+from gpusnap.errors import Corrupt, InvalidArgument
 
 SCHEMA_VERSION = 1
 ENVELOPE_FORMAT = "gpusnap.manifest/1"

@@ -23,10 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.storage.backend import Backend, put_deferred
-from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     Corrupt,
     FailedPrecondition,
     GpusnapError,
@@ -34,6 +31,9 @@ from gpusnap.storage.errors import (
     InvalidArgument,
     NotFound,
 )
+from gpusnap.storage.backend import Backend, put_deferred
+from gpusnap.storage.chunker import Chunker
+from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.follow import ChunkIdFn, cut_following
 from gpusnap.storage.index import ChunkIndex
 from gpusnap.storage.manifest import ChunkRef, FileEntry

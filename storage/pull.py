@@ -33,16 +33,16 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.storage.backend import Backend
-from gpusnap.storage.chunker import MAX_SIZE
-from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     AlreadyExists,
     Corrupt,
     FailedPrecondition,
     GpusnapError,
     NotFound,
 )
+from gpusnap.storage.backend import Backend
+from gpusnap.storage.chunker import MAX_SIZE
+from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.manifest import FileEntry, Manifest
 from gpusnap.storage.pipeline import ByteBudget, ProgressFn, Run, chunk_key, translate_error
 

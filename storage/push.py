@@ -20,17 +20,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpusnap.storage.backend import Backend, sync_deferred
-from gpusnap.storage.catalog import write_manifest
-from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,
     InvalidArgument,
     NotFound,
     Unavailable,
 )
+from gpusnap.storage.backend import Backend, sync_deferred
+from gpusnap.storage.catalog import write_manifest
+from gpusnap.storage.chunker import Chunker
+from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.gc import LOCK_PREFIX, LockHolder
 from gpusnap.storage.growing import growing_file_input
 from gpusnap.storage.index import ChunkIndex

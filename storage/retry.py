@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
-from gpusnap.storage.errors import AlreadyExists, GpusnapError, InvalidArgument
+from gpusnap.errors import AlreadyExists, GpusnapError, InvalidArgument, with_message
 
 if TYPE_CHECKING:  # backend.py imports this module at run time
     from gpusnap.storage.backend import Backend, ObjectInfo
@@ -174,9 +174,10 @@ class RetryingBackend:
         out_of_time = self.deadline is not None and elapsed + delay >= self.deadline
         if failures >= self.attempts or out_of_time:
             why = "deadline reached" if out_of_time and failures < self.attempts else "gave up"
-            raise type(exc)(
+            raise with_message(
+                exc,
                 f"{exc} ({why} after {failures} attempt{'s' if failures > 1 else ''} "
-                f"in {elapsed:.1f}s)"
+                f"in {elapsed:.1f}s)",
             ) from exc
         log.warning(
             "%s %s failed (attempt %d of %d), retrying in %.2fs: %s",

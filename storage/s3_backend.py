@@ -29,15 +29,7 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from gpusnap.storage.backend import (
-    BackendOptions,
-    ObjectInfo,
-    is_valid_key,
-    register_backend,
-    validate_key,
-    validate_prefix,
-)
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     AlreadyExists,
     FailedPrecondition,
     GpusnapError,
@@ -45,6 +37,14 @@ from gpusnap.storage.errors import (
     InvalidArgument,
     NotFound,
     Unavailable,
+)
+from gpusnap.storage.backend import (
+    BackendOptions,
+    ObjectInfo,
+    is_valid_key,
+    register_backend,
+    validate_key,
+    validate_prefix,
 )
 
 log = logging.getLogger(__name__)

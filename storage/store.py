@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage.backend import Backend, BackendOptions, open_backend, sync_deferred
 from gpusnap.storage.catalog import find_manifest_key, list_manifests, read_manifest
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage.gc import (
     LOCK_PREFIX,
     LOCK_REFRESH_SECONDS,

@@ -18,8 +18,8 @@ from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpusnap.errors import Corrupt, InvalidArgument
 from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.errors import Corrupt, InvalidArgument
 from gpusnap.storage.manifest import FileEntry, Manifest, check_relative_path
 
 STREAMS_EXTRA_KEY = "streams"

@@ -14,10 +14,10 @@ from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpusnap.errors import Corrupt, NotFound
 from gpusnap.storage.backend import Backend
 from gpusnap.storage.catalog import find_manifest_key
 from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.errors import Corrupt, NotFound
 from gpusnap.storage.manifest import MANIFEST_PREFIX, Manifest, split_manifest_key
 from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_id_of_key, chunk_key
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from gpusnap.daemon.gpu.cudaerror import CudaError, kind_for
 from gpusnap.daemon.gpu.protocol import CALLS, PeerClosed, read_frame, write_frame
-from gpusnap.storage.errors import GpusnapError
+from gpusnap.errors import GpusnapError
 
 log = logging.getLogger("gpusnap.daemon.gpu.worker")
 

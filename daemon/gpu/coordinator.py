@@ -34,12 +34,13 @@ from gpusnap.daemon.gpu.inventory import (
 from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.gpu.worker import CallFailed, GpuWorker
 from gpusnap.daemon.model import Reason
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,
     InvalidArgument,
     Unavailable,
     Unsupported,
+    with_message,
 )
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, UploadedStreams
@@ -309,7 +310,7 @@ class GpuCoordinator:
             after = self._free_by_uuid()
         except GpusnapError as err:
             outcome = self._roll_back(cuda_pids, freeze)
-            raise type(err)(f"GPU freeze failed: {err}; {outcome}") from err
+            raise with_message(err, f"GPU freeze failed: {err}; {outcome}") from err
         if custom:
             per_device: dict[str, int] = {}
             for m in freeze.memory_files:
@@ -402,7 +403,7 @@ class GpuCoordinator:
             except GpusnapError as err:
                 now = self._states(freeze.cuda_pids)
                 where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
-                raise type(err)(f"GPU thaw failed: {err}; {where}") from err
+                raise with_message(err, f"GPU thaw failed: {err}; {where}") from err
         self._resume(freeze.cuda_pids, None, "thaw")
 
     def _thaw_from_store(self, freeze: GpuFreeze, pids: list[int]) -> None:
@@ -434,7 +435,7 @@ class GpuCoordinator:
         except GpusnapError as err:
             now = self._states(pids)
             where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
-            raise type(err)(f"GPU {what} failed: {err}; {where}") from err
+            raise with_message(err, f"GPU {what} failed: {err}; {where}") from err
 
     # -- restore ------------------------------------------------------------------------
 
@@ -539,7 +540,7 @@ class GpuCoordinator:
             except GpusnapError as err:
                 now = self._states(pids)
                 where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
-                raise type(err)(f"GPU restore failed: {err}; {where}") from err
+                raise with_message(err, f"GPU restore failed: {err}; {where}") from err
             finally:
                 self._detach(ring)
 

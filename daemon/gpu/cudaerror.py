@@ -6,7 +6,7 @@ Kept free of ``cuda`` imports so that the fake driver in ``tests/`` and the daem
 
 from __future__ import annotations
 
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     GpusnapError,
@@ -67,7 +67,7 @@ class CudaError(Exception):
     """A driver call returned something other than CUDA_SUCCESS.
 
     Raised by the driver modules inside the GPU worker; the worker sends ``call``, ``pid`` and
-    ``cuda_error`` to the daemon, which raises the matching kind from ``storage.errors``.
+    ``cuda_error`` to the daemon, which raises the matching kind from ``gpusnap.errors``.
     """
 
     def __init__(self, call: str, pid: int | None, cuda_error: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.gpu.worker import GpuWorker, PendingCall
-from gpusnap.storage.errors import Corrupt
+from gpusnap.errors import Corrupt
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from cuda.bindings import driver as cu
 
 from gpusnap.daemon.gpu.cudaerror import CudaError
 from gpusnap.daemon.gpu.ring import map_ring
-from gpusnap.storage.errors import Unavailable
+from gpusnap.errors import Unavailable
 
 log = logging.getLogger(__name__)
 

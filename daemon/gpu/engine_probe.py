@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from gpusnap.storage.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gpusnap.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from gpusnap.storage.errors import InvalidArgument, Unavailable
+from gpusnap.errors import InvalidArgument, Unavailable
 
 SHM_DIR = Path("/dev/shm")
 RING_PREFIX = "gpusnap-ring-"

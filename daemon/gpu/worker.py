@@ -18,7 +18,7 @@ from typing import Any
 
 from gpusnap.daemon.gpu.cudaerror import CALL_NAMES
 from gpusnap.daemon.gpu.protocol import FrameTimeout, PeerClosed, read_frame, write_frame
-from gpusnap.storage.errors import DeadlineExceeded, GpusnapError, Internal, error_from_kind
+from gpusnap.errors import DeadlineExceeded, GpusnapError, Internal, error_from_kind
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gpusnap.storage.errors import InvalidArgument, Unavailable
+from gpusnap.errors import InvalidArgument, Unavailable
 
 MAX_BODY = 256 * 1024
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from gpusnap.daemon.triggers._http import Response, request
 from gpusnap.daemon.triggers.base import Notice
-from gpusnap.storage.errors import Corrupt, Unavailable
+from gpusnap.errors import Corrupt, Unavailable
 
 log = logging.getLogger(__name__)
 

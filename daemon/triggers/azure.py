@@ -30,7 +30,7 @@ from typing import Any
 
 from gpusnap.daemon.triggers._http import request
 from gpusnap.daemon.triggers.base import Notice, NoticeKind
-from gpusnap.storage.errors import Corrupt, Unavailable
+from gpusnap.errors import Corrupt, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
-from gpusnap.storage.errors import GpusnapError
+from gpusnap.errors import GpusnapError
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from gpusnap.daemon.triggers.aws import AwsImdsWatcher, probe_aws
 from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher, probe_azure
 from gpusnap.daemon.triggers.base import Watcher
 from gpusnap.daemon.triggers.gcp import GcpMetadataWatcher, probe_gcp
-from gpusnap.storage.errors import InvalidArgument
+from gpusnap.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

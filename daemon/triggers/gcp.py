@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 from gpusnap.daemon.triggers._http import request
 from gpusnap.daemon.triggers.base import Notice
-from gpusnap.storage.errors import Corrupt, NotFound, Unavailable
+from gpusnap.errors import Corrupt, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from typing import Any, Literal, Protocol
 
 from gpusnap.daemon.model import Job, JobState
 from gpusnap.daemon.triggers.base import Notice
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,
     InvalidArgument,

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpusnap.daemon.triggers.base import Notice
-from gpusnap.storage.errors import Unavailable, Unsupported
+from gpusnap.errors import Unavailable, Unsupported
 
 log = logging.getLogger(__name__)
 

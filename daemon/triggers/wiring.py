@@ -33,7 +33,7 @@ from gpusnap.daemon.triggers.shutdown import (
     sigterm_notice,
     system_is_stopping,
 )
-from gpusnap.storage.errors import FailedPrecondition, GpusnapError
+from gpusnap.errors import FailedPrecondition, GpusnapError
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from gpusnap.daemon.model import (
     Progress,
     Reason,
 )
-from gpusnap.storage.errors import KINDS, NotFound
+from gpusnap.errors import KINDS, NotFound
 
 T0 = 1_700_000_000.25
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     ERROR_TABLE,
     EXIT_DAEMON_UNREACHABLE,
     EXIT_INTEGRITY,

@@ -1,10 +1,10 @@
-"""docs/api.md's error table is the one in storage/errors.py."""
+"""docs/api.md's error table is the one in gpusnap/errors.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gpusnap.storage.errors import ERROR_TABLE
+from gpusnap.errors import ERROR_TABLE
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from gpusnap.cli._client import DaemonClient
+from gpusnap.errors import ERROR_TABLE, KINDS, Internal, InvalidArgument, NotFound
 from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
-from gpusnap.storage.errors import ERROR_TABLE, KINDS, Internal, InvalidArgument, NotFound
 
 ALL_KINDS = sorted(ERROR_TABLE)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     EXIT_DAEMON_UNREACHABLE,
     EXIT_NOT_FOUND,
     EXIT_OK,

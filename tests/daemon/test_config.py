@@ -10,8 +10,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from gpusnap.daemon.config import load_config, parse_config
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage import generate_encryption_key, generate_signing_key
-from gpusnap.storage.errors import InvalidArgument
 
 # What every config needs unless it turns verification off; parse_config does not read it.
 STORE = {"key_file": "/etc/gpusnap/signing.key"}

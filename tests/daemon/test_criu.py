@@ -12,7 +12,7 @@ import pytest
 from gpusnap.daemon import criu as criu_module
 from gpusnap.daemon import proctree
 from gpusnap.daemon.criu import Criu, most_relevant_error, parse_stats
-from gpusnap.storage.errors import FailedPrecondition, GpusnapError, NotFound, Unsupported
+from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound, Unsupported
 from tests.support import workloads
 from tests.support.workloads import Workload
 

@@ -10,7 +10,7 @@ import pytest
 from gpusnap.daemon.jobs import JobContext, JobExecutor
 from gpusnap.daemon.journal import INTERRUPTED_MESSAGE, Journal
 from gpusnap.daemon.model import Job, JobKind, JobState, Phase
-from gpusnap.storage.errors import FailedPrecondition, NotFound, Unavailable
+from gpusnap.errors import FailedPrecondition, NotFound, Unavailable
 
 
 def test_jobs_left_running_by_a_dead_daemon_are_marked_interrupted(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 from gpusnap.daemon import proctree
-from gpusnap.storage.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.support import workloads
 from tests.support.workloads import Workload
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 import pytest
 
 from gpusnap.daemon import flows
-from gpusnap.storage.errors import Unsupported
+from gpusnap.errors import Unsupported
 
 
 class _FailingCriu:

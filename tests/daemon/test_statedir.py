@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.statedir import LOCK_NAME, StateDirLock
-from gpusnap.storage.errors import FailedPrecondition, InvalidArgument
+from gpusnap.errors import FailedPrecondition, InvalidArgument
 
 # Tries to take the lock from another process; prints "locked" or the error's one line.
 _OTHER = """
 import sys
 from pathlib import Path
 from gpusnap.daemon.statedir import StateDirLock
-from gpusnap.storage.errors import GpusnapError
+from gpusnap.errors import GpusnapError
 try:
     StateDirLock.acquire(Path(sys.argv[1]), Path(sys.argv[2]) if sys.argv[2] else None)
 except GpusnapError as err:

@@ -8,7 +8,7 @@ import pytest
 
 from gpusnap.daemon.gpu import GpuCoordinator
 from gpusnap.daemon.gpu.inventory import parse_nvrm_version
-from gpusnap.storage.errors import Unsupported
+from gpusnap.errors import Unsupported
 from tests.fakes.fake_cuda import GIB, default_devices
 
 

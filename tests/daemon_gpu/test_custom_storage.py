@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
+from gpusnap.errors import DeadlineExceeded, Internal
 from gpusnap.storage import CheckpointStore
-from gpusnap.storage.errors import DeadlineExceeded, Internal
 from gpusnap.storage.streams import GPU_MEMORY_KIND, stream_kinds
 from tests.fakes.fake_cuda import FakeCuda, default_devices, device_content
 from tests.storage.store_helpers import file_store, make_keys

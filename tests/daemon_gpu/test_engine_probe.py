@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gpusnap.daemon.gpu.engine_probe import probe_engine
-from gpusnap.storage.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gpusnap.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 VLLM = {
     "/version": {"version": "0.11.0"},

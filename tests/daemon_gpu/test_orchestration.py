@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from gpusnap.daemon.gpu import GpuFreeze
-from gpusnap.storage.errors import DeadlineExceeded, FailedPrecondition, Internal, Unsupported
+from gpusnap.errors import DeadlineExceeded, FailedPrecondition, Internal, Unsupported
 from tests.fakes.fake_cuda import GIB, FakeCuda, default_devices
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.criu import Criu
+from gpusnap.errors import Unsupported
 from gpusnap.storage import generate_signing_key
-from gpusnap.storage.errors import Unsupported
 from tests.support import workloads
 
 BIN = Path(sys.executable).parent

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from gpusnap.storage.backend import (
     Backend,
     ObjectInfo,
     open_backend,
     registered_schemes,
 )
-from gpusnap.storage.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from gpusnap.storage.file_ops import TEMP_PREFIX
 from tests.storage.conftest import MULTIPART_CHUNKSIZE, StoreUnderTest, fast_options
 from tests.support.moto_server import MotoServer

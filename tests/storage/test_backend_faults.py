@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.storage.backend import Backend, ObjectInfo, backend_factory, open_backend
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     AlreadyExists,
     FailedPrecondition,
     NotFound,
     Unavailable,
 )
+from gpusnap.storage.backend import Backend, ObjectInfo, backend_factory, open_backend
 from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.file_ops import TEMP_PREFIX
 from gpusnap.storage.retry import RetryingBackend

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage.backend import open_backend, release_space_reserve, restore_space_reserve
-from gpusnap.storage.errors import InvalidArgument
 from gpusnap.storage.file_backend import RESERVE_BYTES
 from gpusnap.storage.file_ops import RESERVE_NAME
 from tests.cli._cli import Cli, make_cli, write_tree

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage.chunker import Chunker, ChunkerParams
-from gpusnap.storage.errors import InvalidArgument
 from gpusnap.storage.growing import growing_file_input
 from tests.storage.store_helpers import bf16_like, random_bytes
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.storage.errors import InvalidArgument
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage.pipeline import PushInput
 from tests.storage.store_helpers import MiB, file_store, make_keys, random_bytes
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from gpusnap.errors import Corrupt
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage import pull as pull_mod
 from gpusnap.storage.codec import HEADER_SIZE, ChunkCodec
-from gpusnap.storage.errors import Corrupt
 from tests.storage.store_helpers import MiB, bf16_like, file_store, make_keys, random_bytes
 
 KiB = 1024

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.storage import CheckpointStore
-from gpusnap.storage.errors import (
+from gpusnap.errors import (
     AlreadyExists,
     Corrupt,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
+from gpusnap.storage import CheckpointStore
 from gpusnap.storage.keys import export_public_key
 from gpusnap.storage.pipeline import CHUNK_PREFIX
 from tests.storage.conftest import fast_options

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from gpusnap.errors import Corrupt, FailedPrecondition, InvalidArgument
 from gpusnap.storage import CheckpointStore, generate_signing_key, open_store
 from gpusnap.storage.backend import open_backend
 from gpusnap.storage.codec import MAX_CHUNK_BYTES, ChunkCodec
-from gpusnap.storage.errors import Corrupt, FailedPrecondition, InvalidArgument
 from gpusnap.storage.manifest import (
     Manifest,
     check_checkpoint_id,

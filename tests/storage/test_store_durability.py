@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.errors import Internal
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.backend import ObjectInfo
-from gpusnap.storage.errors import Internal
 from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.index import ChunkIndex
 from gpusnap.storage.keys import load_signing_key

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
+from gpusnap.errors import Corrupt, FailedPrecondition
 from gpusnap.storage import CheckpointStore, ChunkRef
-from gpusnap.storage.errors import Corrupt, FailedPrecondition
 from gpusnap.storage.keys import load_signing_key, seal
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
 from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_key

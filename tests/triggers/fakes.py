@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from gpusnap.daemon.model import Job, JobKind, JobState
-from gpusnap.storage.errors import FailedPrecondition, Unsupported
+from gpusnap.errors import FailedPrecondition, Unsupported
 
 
 @dataclass

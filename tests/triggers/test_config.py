@@ -13,7 +13,7 @@ from gpusnap.daemon.triggers.config import (
     parse_triggers_config,
 )
 from gpusnap.daemon.triggers.gcp import GcpMetadataWatcher
-from gpusnap.storage.errors import InvalidArgument
+from gpusnap.errors import InvalidArgument
 from tests.support.metadata_servers import (
     AwsImdsServer,
     AzureEventsServer,

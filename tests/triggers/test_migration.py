@@ -21,7 +21,7 @@ from gpusnap.daemon.migration import (
     parse_migration_config,
 )
 from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState, Reason
-from gpusnap.storage.errors import Corrupt, InvalidArgument, Unavailable
+from gpusnap.errors import Corrupt, InvalidArgument, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore
 from tests.triggers.conftest import StoreSpec

@@ -19,7 +19,7 @@ from gpusnap.daemon.triggers.policy import (
     drill_notice,
     parse_workload_policy,
 )
-from gpusnap.storage.errors import InvalidArgument
+from gpusnap.errors import InvalidArgument
 from tests.support.metadata_servers import AwsImdsServer, AzureEventsServer
 from tests.triggers.fakes import FakeRunner
 

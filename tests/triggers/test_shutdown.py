@@ -23,7 +23,7 @@ from gpusnap.daemon.model import JobState
 from gpusnap.daemon.triggers.base import Notice
 from gpusnap.daemon.triggers.policy import PolicyEngine, WorkloadPolicy
 from gpusnap.daemon.triggers.shutdown import LogindInhibitor, StopTimeoutExtender
-from gpusnap.storage.errors import Unavailable
+from gpusnap.errors import Unavailable
 from tests.triggers.fakes import FakeRunner
 
 jeepney = pytest.importorskip("jeepney")

@@ -13,7 +13,7 @@ from gpusnap.daemon.triggers.aws import AwsImdsWatcher
 from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher
 from gpusnap.daemon.triggers.base import Notice, TriggerManager, Watcher
 from gpusnap.daemon.triggers.gcp import GcpMetadataWatcher
-from gpusnap.storage.errors import Corrupt, NotFound, Unavailable
+from gpusnap.errors import Corrupt, NotFound, Unavailable
 from tests.support.metadata_servers import (
     AwsImdsServer,
     AzureEventsServer,

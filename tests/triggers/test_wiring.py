@@ -14,7 +14,7 @@ from gpusnap.daemon.migration import MigrationConfig
 from gpusnap.daemon.model import CompatVerdict, Job, JobState
 from gpusnap.daemon.triggers.config import TriggersConfig
 from gpusnap.daemon.triggers.wiring import start_triggers
-from gpusnap.storage.errors import FailedPrecondition
+from gpusnap.errors import FailedPrecondition
 from gpusnap.storage.keys import generate_signing_key
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore, open_store

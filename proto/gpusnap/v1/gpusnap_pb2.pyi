@@ -10,7 +10,7 @@ renumber, rename, retype or remove a field; retire one by marking it `reserved`.
 that cannot follow these rules is a new package (gpusnap.v2).
 
 Errors: a failed call carries a gRPC status code from the one error table
-(storage/errors.py ERROR_TABLE) and the error kind in the trailing metadata key
+(gpusnap/errors.py ERROR_TABLE) and the error kind in the trailing metadata key
 `gpusnap-error-kind` (e.g. "not_found", "incompatible"); clients rebuild the same kind.
 See docs/api.md.
 """

@@ -1,9 +1,10 @@
 """The project's error kinds, and the one table that maps them to gRPC codes and exit codes.
 
-Every layer raises one of these; foreign exceptions are translated at the boundary
-(``raise Unavailable(...) from exc``). The gRPC servicer and the CLI read ``ERROR_TABLE``
-and nothing else, so a kind means the same thing on the wire, in a script's ``$?`` and in
-the logs.
+The one error vocabulary of gpusnap: storage, daemon, proto and cli all import it, and it
+imports nothing of ours. Every layer raises one of these; foreign exceptions are translated
+at the boundary (``raise Unavailable(...) from exc``). The gRPC servicer and the CLI read
+``ERROR_TABLE`` and nothing else, so a kind means the same thing on the wire, in a script's
+``$?`` and in the logs.
 """
 
 from __future__ import annotations
@@ -137,3 +138,15 @@ def exit_code_for(err: BaseException) -> int:
 def error_from_kind(kind: str, message: str) -> GpusnapError:
     """Rebuild an error from its kind name (as carried in gRPC trailing metadata)."""
     return KINDS.get(kind, Internal)(message)
+
+
+def with_message(err: GpusnapError, message: str) -> GpusnapError:
+    """The same kind of error as ``err`` with a new message, to re-raise with more context
+    (``raise with_message(err, f"{err}; {what}") from err``).
+
+    ``type(err)(message)`` would raise ``TypeError`` for kinds whose constructor takes other
+    arguments; those get the public kind they belong to instead."""
+    cls = type(err)
+    if cls.__init__ is GpusnapError.__init__:
+        return cls(message)
+    return error_from_kind(err.kind, message)
