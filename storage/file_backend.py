@@ -56,7 +56,6 @@ from gpusnap.storage.backend import (
 from gpusnap.storage.file_ops import (
     DIR_FLAGS,
     DIR_MODE,
-    RESERVE_NAME,
     ensure_reserve,
     is_dir_at,
     is_private_name,
@@ -67,6 +66,7 @@ from gpusnap.storage.file_ops import (
     unlink_quietly,
     write_temp,
 )
+from gpusnap.storage.layout import RESERVE_NAME
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from gpusnap.errors import (
 )
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.keys import export_public_key
-from gpusnap.storage.pipeline import CHUNK_PREFIX
+from gpusnap.storage.layout import CHUNK_PREFIX
 from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import (
     Keys,

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.storage import CheckpointStore, PushResult
-from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_key
-from gpusnap.storage.store import LOCK_PREFIX, MANIFEST_PREFIX
+from gpusnap.storage.layout import CHUNK_PREFIX, LOCK_PREFIX, MANIFEST_PREFIX, chunk_key
 from tests.storage.store_helpers import Keys, MiB, file_store, make_keys, random_bytes
 
 
@@ -180,7 +179,7 @@ def test_gc_ignores_and_removes_a_stale_push_lock(tmp_path: Path, keys: Keys) ->
         delete_manifests(store)
         key = f"{LOCK_PREFIX}push-20000101T000000Z-0000000000"
         store.backend.put(key, b"{}")
-        old = time.time() - 2 * store.lock_stale_seconds
+        old = time.time() - 2 * store.context.options.lock_stale_seconds
         os.utime(tmp_path / "store" / key, (old, old))
         report = store.gc(grace_seconds=0)
         assert report.stale_locks_removed == [key]

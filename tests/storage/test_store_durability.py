@@ -16,10 +16,11 @@ import pytest
 from gpusnap.errors import Internal
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.backend import ObjectInfo
+from gpusnap.storage.context import open_context
 from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.index import ChunkIndex
-from gpusnap.storage.keys import load_signing_key
-from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_id_of_key
+from gpusnap.storage.keys import StoreKeys, load_signing_key
+from gpusnap.storage.layout import CHUNK_PREFIX, chunk_id_of_key
 from tests.storage.store_helpers import Keys, MiB, make_keys, make_tree, random_bytes
 
 
@@ -79,13 +80,8 @@ def keys(tmp_path: Path) -> Keys:
 
 
 def _store(tmp_path: Path, keys: Keys, backend: RecordingBackend) -> CheckpointStore:
-    return CheckpointStore(
-        backend,
-        signer=load_signing_key(keys.signing),
-        encryption=None,
-        cache_dir=tmp_path / "cache",
-        workers=2,
-    )
+    signing = StoreKeys(load_signing_key(keys.signing), None)
+    return CheckpointStore(open_context(backend, signing, cache_dir=tmp_path / "cache", workers=2))
 
 
 def test_every_chunk_put_is_synced_before_the_manifest_is_written(

@@ -14,9 +14,8 @@ from blake3 import blake3
 from gpusnap.errors import Corrupt, FailedPrecondition
 from gpusnap.storage import CheckpointStore, ChunkRef
 from gpusnap.storage.keys import load_signing_key, seal
+from gpusnap.storage.layout import CHUNK_PREFIX, MANIFEST_PREFIX, chunk_key
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
-from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_key
-from gpusnap.storage.store import MANIFEST_PREFIX
 from tests.storage.store_helpers import (
     Keys,
     MiB,

@@ -10,7 +10,7 @@ import pytest
 from gpusnap.errors import Corrupt, InvalidArgument
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.pipeline import chunk_key
+from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, cut_stream, stream_kinds
 from tests.storage.store_helpers import Keys, MiB, file_store, make_keys, random_bytes
 
