@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,44 +17,22 @@ from gpusnap.errors import (
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.keys import export_public_key
 from gpusnap.storage.layout import CHUNK_PREFIX
-from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import (
     Keys,
     MiB,
     all_files,
     file_store,
-    make_keys,
     make_tree,
     random_bytes,
     tree_contents,
 )
-from tests.support.moto_server import MotoServer
 
 PAGE = 4096
 
 
 @pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
-
-
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, keys: Keys) -> Iterator[CheckpointStore]:
-    if request.param == "file":
-        opened = file_store(tmp_path, keys)
-    else:
-        moto: MotoServer = request.getfixturevalue("moto_server")
-        bucket: str = request.getfixturevalue("s3_bucket")
-        opened = file_store(
-            tmp_path,
-            keys,
-            url=f"s3://{bucket}/ckpt",
-            options=fast_options(moto.endpoint_url),
-        )
-    try:
-        yield opened
-    finally:
-        opened.close()
+def store(checkpoint_store: CheckpointStore) -> CheckpointStore:
+    return checkpoint_store
 
 
 def test_round_trip_restores_every_file_byte_for_byte_with_safe_modes(

@@ -9,16 +9,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from gpusnap.storage import CheckpointStore, PushResult
 from gpusnap.storage.layout import CHUNK_PREFIX, LOCK_PREFIX, MANIFEST_PREFIX, chunk_key
-from tests.storage.store_helpers import Keys, MiB, file_store, make_keys, random_bytes
-
-
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
+from tests.storage.store_helpers import Keys, MiB, file_store, random_bytes
 
 
 def write_src(root: Path, files: dict[str, bytes]) -> Path:

@@ -21,7 +21,7 @@ from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.index import ChunkIndex
 from gpusnap.storage.keys import StoreKeys, load_signing_key
 from gpusnap.storage.layout import CHUNK_PREFIX, chunk_id_of_key
-from tests.storage.store_helpers import Keys, MiB, make_keys, make_tree, random_bytes
+from tests.storage.store_helpers import Keys, MiB, make_tree, random_bytes
 
 
 class RecordingBackend:
@@ -72,11 +72,6 @@ class RecordingBackend:
 
     def close(self) -> None:
         self.inner.close()
-
-
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
 
 
 def _store(tmp_path: Path, keys: Keys, backend: RecordingBackend) -> CheckpointStore:

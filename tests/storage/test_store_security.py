@@ -29,11 +29,6 @@ from tests.storage.store_helpers import (
 
 
 @pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
-
-
-@pytest.fixture
 def store(tmp_path: Path, keys: Keys) -> Iterator[CheckpointStore]:
     opened = file_store(tmp_path, keys)
     try:

@@ -12,12 +12,7 @@ from gpusnap.storage import CheckpointStore
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, cut_stream, stream_kinds
-from tests.storage.store_helpers import Keys, MiB, file_store, make_keys, random_bytes
-
-
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
+from tests.storage.store_helpers import Keys, MiB, file_store, random_bytes
 
 
 @pytest.fixture
