@@ -13,12 +13,15 @@ names that no key may take and no listing shows: the space reserve (``RESERVE_NA
 temp files a put writes before renaming them into place (``TEMP_PREFIX``).
 
 Nothing else in ``storage/`` spells a prefix or builds a key; ``docs/design.md`` ("Key
-layout") documents each. The grammar of the names keys are made of (checkpoint ids, workload
+layout") documents each. What any key may be (``validate_key``: relative ``/``-separated
+segments, no ``.``/``..``/empty segment, no backslash, no control character) is checked here
+for every backend alike; the grammar of the names keys are made of (checkpoint ids, workload
 names) is the manifest's (``manifest.py``).
 """
 
 from __future__ import annotations
 
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage.manifest import check_workload, is_checkpoint_id, is_workload
 
 CHUNK_PREFIX = "chunks/"
@@ -84,3 +87,59 @@ def gc_record_key(gc_id: str) -> str:
 def overlaps_store_prefix(prefix: str) -> bool:
     """Whether keys under ``prefix`` could be keys the store itself writes and reads."""
     return any(p.startswith(prefix) or prefix.startswith(p) for p in STORE_PREFIXES)
+
+
+# --- what any key may be ------------------------------------------------------------------
+
+# No key (and no store URL) holds one of these.
+CONTROL_CHARS = frozenset(chr(c) for c in range(32)) | {"\x7f"}
+MAX_KEY_LENGTH = 1024
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe object key, else raise ``InvalidArgument``.
+
+    A key is ``/``-separated segments, relative, with no empty, ``.`` or ``..`` segment, no
+    backslash and no control character. Every backend checks keys with this one function so
+    that a key accepted by one store is accepted by all, and none can name a path outside a
+    ``file://`` root.
+    """
+    _check_path_like(key, what="key")
+    if key.endswith("/"):
+        raise InvalidArgument(f"invalid store key {key!r}: ends with '/'")
+    return key
+
+
+def is_valid_key(key: str) -> bool:
+    """Whether ``validate_key`` accepts ``key``: a listing skips (and logs) any other name."""
+    try:
+        validate_key(key)
+    except InvalidArgument:
+        return False
+    return True
+
+
+def validate_prefix(prefix: str) -> str:
+    """Like ``validate_key`` for a listing prefix: may be empty and may end with ``/``."""
+    if prefix == "":
+        return prefix
+    _check_path_like(prefix.removesuffix("/"), what="prefix")
+    return prefix
+
+
+def _check_path_like(value: str, *, what: str) -> None:
+    if not isinstance(value, str) or value == "":
+        raise InvalidArgument(f"invalid store {what} {value!r}: empty")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_KEY_LENGTH:
+        raise InvalidArgument(f"invalid store {what}: longer than {MAX_KEY_LENGTH} bytes")
+    if value.startswith("/"):
+        raise InvalidArgument(f"invalid store {what} {value!r}: absolute")
+    if "\\" in value:
+        raise InvalidArgument(f"invalid store {what} {value!r}: contains a backslash")
+    if any(ch in CONTROL_CHARS for ch in value):
+        raise InvalidArgument(f"invalid store {what} {value!r}: contains a control character")
+    for segment in value.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidArgument(
+                f"invalid store {what} {value!r}: empty, '.' or '..' path segment"
+            )

@@ -70,10 +70,10 @@ def pull(
     checkpoint_id: str,
     dest: Path,
     *,
-    progress: ProgressFn | None = None,
-    exclude_kinds: Collection[str] = (),
-    direct: bool = True,
-    durable: bool = True,
+    progress: ProgressFn | None,
+    exclude_kinds: Collection[str],
+    direct: bool,
+    durable: bool,
 ) -> PullResult:
     """Restore a checkpoint's files under ``dest`` (``CheckpointStore.pull``)."""
     started = time.monotonic()

@@ -89,19 +89,19 @@ def push_tree(
     src: Path,
     *,
     workload: str,
-    parent: str | None = None,
-    stamp: dict[str, Any] | None = None,
-    spec: dict[str, Any] | None = None,
-    progress: ProgressFn | None = None,
-    compress: bool | None = None,
-    checkpoint_id: str | None = None,
-    extra: dict[str, Any] | None = None,
-    streams: Mapping[str, StreamSource] | None = None,
-    uploaded_streams: UploadedStreams | None = None,
+    parent: str | None,
+    stamp: dict[str, Any] | None,
+    spec: dict[str, Any] | None,
+    progress: ProgressFn | None,
+    compress: bool | None,
+    checkpoint_id: str | None,
+    extra: dict[str, Any] | None,
+    streams: Mapping[str, StreamSource] | None,
+    uploaded_streams: UploadedStreams | None,
 ) -> PushResult:
     """Upload ``src`` (and streams) as a new checkpoint, then commit its manifest.
 
-    ``CheckpointStore.push`` documents the arguments.
+    ``CheckpointStore.push`` documents the arguments (and their defaults).
     """
     started = time.monotonic()
     check_workload(workload)
@@ -236,8 +236,8 @@ def upload_streams(
     ctx: StoreContext,
     streams: Mapping[str, StreamSource],
     *,
-    compress: bool | None = None,
-    progress: ProgressFn | None = None,
+    compress: bool | None,
+    progress: ProgressFn | None,
 ) -> UploadedStreams:
     """Put the chunks of ``streams`` in the store now; a later push names them (no manifest)."""
     started = time.monotonic()
@@ -254,9 +254,9 @@ def upload_growing(
     name: str,
     *,
     complete: Callable[[], bool],
-    stop: Callable[[], bool] = lambda: False,
-    kind: str = "file",
-    compress: bool | None = None,
+    stop: Callable[[], bool],
+    kind: str,
+    compress: bool | None,
 ) -> UploadedStreams:
     """Upload a file while its writer appends to it (``CheckpointStore.upload_growing``)."""
     started = time.monotonic()

@@ -21,10 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpusnap.errors import Corrupt, FailedPrecondition, InvalidArgument
-from gpusnap.storage.backend import validate_key, validate_prefix
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.keys import StoreKeys
-from gpusnap.storage.layout import overlaps_store_prefix
+from gpusnap.storage.layout import overlaps_store_prefix, validate_key, validate_prefix
 
 RECORD_FORMAT = "gpusnap.record/1"
 

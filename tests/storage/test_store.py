@@ -23,8 +23,10 @@ from tests.storage.store_helpers import (
     all_files,
     file_store,
     make_tree,
+    push_tree,
     random_bytes,
     tree_contents,
+    write_src,
 )
 
 PAGE = 4096
@@ -141,11 +143,8 @@ def test_list_latest_and_lookup_errors(store: CheckpointStore, tmp_path: Path) -
 def test_pull_refuses_to_overwrite_and_writes_nothing(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
-    dest = tmp_path / "dest"
-    dest.mkdir()
-    (dest / "core.img").write_bytes(b"mine")
+    pushed = push_tree(store, tmp_path)
+    dest = write_src(tmp_path / "dest", {"core.img": b"mine"})
     with pytest.raises(AlreadyExists):
         store.pull(pushed.checkpoint_id, dest)
     assert all_files(dest) == [dest / "core.img"]
@@ -155,10 +154,9 @@ def test_pull_refuses_to_overwrite_and_writes_nothing(
 def test_push_of_an_existing_checkpoint_id_is_refused(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     with pytest.raises(AlreadyExists):
-        store.push(src, workload="w", checkpoint_id=pushed.checkpoint_id)
+        store.push(tmp_path / "src", workload="w", checkpoint_id=pushed.checkpoint_id)
 
 
 def test_compression_auto_and_off(store: CheckpointStore, tmp_path: Path) -> None:

@@ -79,6 +79,19 @@ def _store(tmp_path: Path, keys: Keys, backend: RecordingBackend) -> CheckpointS
     return CheckpointStore(open_context(backend, signing, cache_dir=tmp_path / "cache", workers=2))
 
 
+def _push_killed_before_its_sync(
+    tmp_path: Path, keys: Keys, *, seed: int
+) -> tuple[RecordingBackend, Path]:
+    """A push whose backend fails its sync (as if killed there): the backend and the source."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages.img").write_bytes(random_bytes(6 * MiB, seed))
+    crashing = RecordingBackend(tmp_path / "store", fail_sync=True)
+    with _store(tmp_path, keys, crashing) as store, pytest.raises(Internal):
+        store.push(src, workload="w")
+    return crashing, src
+
+
 def test_every_chunk_put_is_synced_before_the_manifest_is_written(
     tmp_path: Path, keys: Keys
 ) -> None:
@@ -106,12 +119,7 @@ def test_every_chunk_put_is_synced_before_the_manifest_is_written(
 def test_a_push_that_dies_before_the_sync_commits_nothing_and_its_chunks_are_not_trusted_after_a_reboot(  # noqa: E501
     tmp_path: Path, keys: Keys
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "pages.img").write_bytes(random_bytes(6 * MiB, 1))
-    crashing = RecordingBackend(tmp_path / "store", fail_sync=True)
-    with _store(tmp_path, keys, crashing) as store, pytest.raises(Internal):
-        store.push(src, workload="w")
+    crashing, _src = _push_killed_before_its_sync(tmp_path, keys, seed=1)
     written = {
         cid
         for op, key in crashing.calls
@@ -141,12 +149,7 @@ def test_a_push_that_dies_before_the_sync_commits_nothing_and_its_chunks_are_not
 def test_a_push_after_a_killed_one_reuses_its_chunks_and_syncs_them(
     tmp_path: Path, keys: Keys
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "pages.img").write_bytes(random_bytes(6 * MiB, 2))
-    crashing = RecordingBackend(tmp_path / "store", fail_sync=True)
-    with _store(tmp_path, keys, crashing) as store, pytest.raises(Internal):
-        store.push(src, workload="w")
+    crashing, src = _push_killed_before_its_sync(tmp_path, keys, seed=2)
 
     backend = RecordingBackend(tmp_path / "store")
     with _store(tmp_path, keys, backend) as store:
