@@ -46,7 +46,7 @@ class PushStats(Tally):
     chunks_uploaded: int = 0
 
 
-_Named = tuple[memoryview, str | None]  # a chunk and its id, when already computed
+NamedChunk = tuple[memoryview, str | None]  # a chunk and its id, when already computed
 
 
 @dataclass
@@ -61,7 +61,7 @@ class PushInput:
     # yes; streams: no, their producer may be tied to the calling thread, e.g. a CUDA one).
     cut_ahead: bool = False
     # When set, used instead of ``chunks``: chunks with their ids where already computed.
-    named_chunks: Callable[[], Generator[_Named, None, None]] | None = None
+    named_chunks: Callable[[], Generator[NamedChunk, None, None]] | None = None
 
     @classmethod
     def of_named(
@@ -69,7 +69,7 @@ class PushInput:
         path: str,
         size: int,
         mode: int,
-        named: Callable[[], Generator[_Named, None, None]],
+        named: Callable[[], Generator[NamedChunk, None, None]],
         *,
         cut_ahead: bool = False,
     ) -> PushInput:
@@ -82,7 +82,7 @@ class PushInput:
 
         return cls(path, size, mode, chunks, cut_ahead=cut_ahead, named_chunks=named)
 
-    def named(self) -> Generator[_Named, None, None]:
+    def named(self) -> Generator[NamedChunk, None, None]:
         if self.named_chunks is not None:
             yield from self.named_chunks()
             return
@@ -135,7 +135,7 @@ class _CutAhead:
                 continue
         return False
 
-    def chunks(self) -> Generator[_Named, None, None]:
+    def chunks(self) -> Generator[NamedChunk, None, None]:
         try:
             while True:
                 item = self._queue.get()
@@ -174,7 +174,7 @@ def file_input(
     """A file to push; with ``parent`` (its entry in the parent checkpoint) and ``chunk_id``,
     cut along the parent's boundaries where the bytes prove them (``storage/follow.py``)."""
 
-    def named() -> Generator[_Named, None, None]:
+    def named() -> Generator[NamedChunk, None, None]:
         if src.size == 0:
             return
         try:
