@@ -21,8 +21,8 @@ from typing import Any
 import grpc
 import pytest
 
-from gpusnap.daemon.api import DaemonServiceAPI
-from gpusnap.daemon.grpc_server import start_server, stop_server
+from gpusnap.daemon.api.service_api import DaemonServiceAPI
+from gpusnap.daemon.api.listeners import start_server, stop_server
 from gpusnap.daemon.model import (
     CompatVerdict,
     Job,

@@ -29,7 +29,7 @@ import grpc
 from google.protobuf import struct_pb2
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from gpusnap.daemon.api import DaemonServiceAPI
+from gpusnap.daemon.api.service_api import DaemonServiceAPI
 from gpusnap.daemon.model import CompatVerdict, Job
 from gpusnap.errors import (
     ERROR_TABLE,
