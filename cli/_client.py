@@ -19,7 +19,7 @@ import argparse
 import errno
 import os
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -33,6 +33,7 @@ if os.environ.get("GPUSNAP_DEBUG", "") in ("", "0"):
 
 import grpc  # after the logging switch above
 
+from gpusnap.cli._output import emit
 from gpusnap.cli._tls import ClientTls, explain_unreachable, load_client_tls, parse_address
 from gpusnap.errors import (
     DeadlineExceeded,
@@ -66,6 +67,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+T = TypeVar("T")
 
 
 class DaemonUnreachable(Unreachable):
@@ -363,3 +365,17 @@ def connect(args: argparse.Namespace | None = None) -> DaemonClient:
     value, source = address
     parse_address(value, source=source)
     return DaemonClient.for_address(value, client_tls(args, needed_by=source))
+
+
+def query(
+    args: argparse.Namespace,
+    call: Callable[[DaemonClient], T],
+    human: Callable[[T], str],
+    *,
+    key: str | None = None,
+) -> int:
+    """A command that is one call: connect as ``args`` say, ``call``, and print the answer
+    (as JSON with ``--json``, under ``key`` when given; else ``human(answer)``). Exit 0."""
+    with connect(args) as client:
+        answer = call(client)
+    return emit(args.json, answer if key is None else {key: answer}, lambda: human(answer))

@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any
 
-from gpusnap.cli._client import DaemonClient, connect
+from gpusnap.cli._client import DaemonClient, connect, query
 from gpusnap.cli._common import Subparsers, add_command, stderr_is_tty
 from gpusnap.cli._output import (
     PROG,
@@ -267,9 +267,10 @@ def _verdict_text(verdict: dict[str, Any]) -> str:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        jobs = client.list_jobs()
-    headers = ["ID", "KIND", "WORKLOAD", "STATE", "PHASE", "PROGRESS", "TRIGGER", "CREATED"]
+    return query(args, lambda c: c.list_jobs(), _jobs_table, key="jobs")
+
+
+def _jobs_table(jobs: list[dict[str, Any]]) -> str:
     rows = [
         [
             j["id"],
@@ -283,24 +284,23 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         ]
         for j in jobs
     ]
-    return emit(args.json, {"jobs": jobs}, lambda: render_table(headers, rows))
+    headers = ["ID", "KIND", "WORKLOAD", "STATE", "PHASE", "PROGRESS", "TRIGGER", "CREATED"]
+    return render_table(headers, rows)
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        job = client.get_job(args.job_id)
-    return emit(args.json, job, lambda: _job_text(job))
+    return query(args, lambda c: c.get_job(args.job_id), _job_text)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        job = client.cancel_job(args.job_id)
-    return emit(args.json, job, lambda: f"{job['id']}: {job['state']}")
+    return query(args, lambda c: c.cancel_job(args.job_id), lambda j: f"{j['id']}: {j['state']}")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        checkpoints = client.list_checkpoints(args.workload)
+    return query(args, lambda c: c.list_checkpoints(args.workload), _ls_table, key="checkpoints")
+
+
+def _ls_table(checkpoints: list[dict[str, Any]]) -> str:
     rows = [
         [
             c["checkpoint_id"],
@@ -311,20 +311,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         for c in checkpoints
     ]
-    headers = ["ID", "WORKLOAD", "CREATED", "SIZE", "PARENT"]
-    return emit(args.json, {"checkpoints": checkpoints}, lambda: render_table(headers, rows))
+    return render_table(["ID", "WORKLOAD", "CREATED", "SIZE", "PARENT"], rows)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        manifest = client.show_checkpoint(args.checkpoint_id)
-    return emit(args.json, manifest, lambda: render_manifest(manifest))
+    return query(args, lambda c: c.show_checkpoint(args.checkpoint_id), render_manifest)
 
 
 def cmd_workloads(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        workloads = client.list_workloads()
-    return emit(args.json, {"workloads": workloads}, lambda: _workloads_text(workloads))
+    return query(args, lambda c: c.list_workloads(), _workloads_text, key="workloads")
 
 
 def _workloads_text(workloads: list[dict[str, Any]]) -> str:
@@ -348,9 +343,7 @@ def _workloads_text(workloads: list[dict[str, Any]]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        status = client.status()
-    return emit(args.json, status, lambda: _status_text(status))
+    return query(args, lambda c: c.status(), _status_text)
 
 
 def _status_text(status: dict[str, Any]) -> str:

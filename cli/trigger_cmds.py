@@ -13,9 +13,9 @@ import argparse
 import time
 from typing import Any
 
-from gpusnap.cli._client import connect
+from gpusnap.cli._client import query
 from gpusnap.cli._common import Subparsers, add_command, common_parser, parse_duration
-from gpusnap.cli._output import PROG, emit, render_table
+from gpusnap.cli._output import PROG, render_table
 
 
 def _ago(epoch: object) -> str:
@@ -107,29 +107,21 @@ def render_migrations(items: list[dict[str, Any]]) -> str:
 
 
 def cmd_triggers(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        state = client.triggers_status()
-    return emit(args.json, state, lambda: render_triggers(state))
+    return query(args, lambda c: c.triggers_status(), render_triggers)
 
 
 def cmd_migrations(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        items = client.migrations()
-    return emit(args.json, {"migrations": items}, lambda: render_migrations(items))
+    return query(args, lambda c: c.migrations(), render_migrations, key="migrations")
 
 
 def cmd_drill_reclaim(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        job = client.drill(args.deadline)
-    jid = job["id"]
-    return emit(
-        args.json,
-        job,
-        lambda: (
-            f"drill: reclaim checkpoint job {jid} of {job['workload']} started "
-            f"(deadline in {args.deadline or 120:g} s); follow it with `{PROG} job {jid}`"
-        ),
-    )
+    def started(job: dict[str, Any]) -> str:
+        return (
+            f"drill: reclaim checkpoint job {job['id']} of {job['workload']} started "
+            f"(deadline in {args.deadline or 120:g} s); follow it with `{PROG} job {job['id']}`"
+        )
+
+    return query(args, lambda c: c.drill(args.deadline), started)
 
 
 def register(subparsers: Subparsers) -> None:
