@@ -7,7 +7,6 @@ These commands need no daemon. The store is named by ``--store URL`` or ``GPUSNA
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -136,27 +135,6 @@ def _progress(args: argparse.Namespace, label: str) -> Iterator[Progress | None]
         bar.close()
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    """The plain-data form of a store result or summary, whatever its spelling."""
-    for name in ("as_dict", "to_dict"):
-        method = getattr(obj, name, None)
-        if callable(method):
-            result: dict[str, Any] = method()
-            return result
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    if isinstance(obj, dict):
-        return obj
-    raise TypeError(f"cannot render {type(obj).__name__}")
-
-
-def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if key in d and d[key] is not None:
-            return d[key]
-    return default
-
-
 def _note(args: argparse.Namespace, text: str) -> None:
     """A human summary on stderr: on a terminal, or with -v; never with --json."""
     if not args.json and (args.verbose or stderr_is_tty()):
@@ -176,9 +154,8 @@ def cmd_push(args: argparse.Namespace) -> int:
         if args.parent is not None:
             store.manifest(args.parent)  # NotFound (3) / Corrupt (4) before any upload
         result = store.push(src, workload=args.workload, parent=args.parent, progress=progress)
-    data = _as_dict(result)
     if args.json:
-        print_json(data)
+        print_json(result.as_dict())
         return EXIT_OK
     out(result.checkpoint_id)
     _note(
@@ -193,13 +170,11 @@ def cmd_push(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     with _opened(args) as store, _progress(args, "pull") as progress:
         result = store.pull(args.checkpoint_id, args.dest, progress=progress)
-    data = _as_dict(result)
     if args.json:
-        print_json(data)
+        print_json(result.as_dict())
         return EXIT_OK
-    total = _first(data, "bytes_total", "bytes", default=0)
-    seconds = float(_first(data, "seconds", default=0.0))
-    _note(args, f"pulled {args.checkpoint_id} ({human_bytes(total)}, {seconds:.1f} s)")
+    size = human_bytes(result.bytes_total)
+    _note(args, f"pulled {args.checkpoint_id} ({size}, {result.seconds:.1f} s)")
     out(str(args.dest))
     return EXIT_OK
 
@@ -207,7 +182,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     with _opened(args) as store:
         listed, skipped = store.list_checked(workload=args.workload)
-    summaries = [_as_dict(s) for s in listed]
+    summaries = [s.as_dict() for s in listed]
     code = _skipped_code(skipped)
     if args.json:
         unreadable = [{"key": key, "error": str(err)} for key, err in skipped]
@@ -216,11 +191,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return code
     rows = [
         [
-            str(_first(s, "checkpoint_id", "id", default="?")),
-            str(_first(s, "workload", default="-")),
-            when(_first(s, "created", "created_at")),
-            human_bytes(_first(s, "bytes_total", "size", "total_bytes", default=0)),
-            str(_first(s, "files", "file_count", "files_total", default="-")),
+            s["checkpoint_id"],
+            s["workload"],
+            when(s["created_at"]),
+            human_bytes(s["bytes_total"]),
+            str(s["files"]),
         ]
         for s in summaries
     ]
@@ -247,27 +222,25 @@ def _report_skipped(skipped: list[tuple[str, GpusnapError]]) -> None:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _opened(args) as store:
-        manifest = _as_dict(store.manifest(args.checkpoint_id))
+        manifest = store.manifest(args.checkpoint_id).to_dict()
     return emit(args.json, manifest, lambda: render_manifest(manifest))
 
 
 def render_manifest(m: dict[str, Any]) -> str:
-    files: list[dict[str, Any]] = list(_first(m, "files", default=[]))
-    totals: dict[str, Any] = dict(_first(m, "totals", default={}))
-    size = _first(totals, "bytes", "bytes_total", "size", default=None)
-    if size is None:
-        size = sum(int(_first(f, "size", default=0)) for f in files)
-    chunks = _first(totals, "chunks", "chunks_total", default=None)
-    if chunks is None:
-        chunks = sum(len(_first(f, "chunks", default=[])) for f in files)
-    stamp: dict[str, Any] = dict(_first(m, "stamp", default={}))
+    """A manifest as a person reads it: ``Manifest.to_dict()``, or the daemon's ``show`` of it
+    (whose files have no mode and no chunk list)."""
+    files: list[dict[str, Any]] = m.get("files") or []
+    totals: dict[str, Any] = m.get("totals") or {}
+    size = totals.get("bytes_total", sum(int(f["size"]) for f in files))
+    chunks = totals.get("chunks_total", sum(len(f.get("chunks") or []) for f in files))
+    stamp: dict[str, Any] = m.get("stamp") or {}
     lines = [
-        f"checkpoint  {_first(m, 'checkpoint_id', 'id', default='?')}",
-        f"workload    {_first(m, 'workload', default='-')}",
-        f"created     {when(_first(m, 'created', 'created_at'))}",
-        f"parent      {_first(m, 'parent', 'parent_id', default='-')}",
+        f"checkpoint  {m['checkpoint_id']}",
+        f"workload    {m['workload']}",
+        f"created     {when(m['created_at'])}",
+        f"parent      {m.get('parent') or '-'}",
         f"size        {human_bytes(size)} in {len(files)} files, {chunks} chunks",
-        f"schema      {_first(m, 'schema', 'schema_version', 'version', default='-')}",
+        f"schema      {m.get('schema_version', '-')}",
     ]
     if stamp:
         lines.append("stamp")
@@ -278,10 +251,10 @@ def render_manifest(m: dict[str, Any]) -> str:
         lines.append("files")
         rows = [
             [
-                _mode(_first(f, "mode")),
-                human_bytes(int(_first(f, "size", default=0))),
-                str(len(_first(f, "chunks", default=[]))),
-                str(_first(f, "path", default="?")),
+                _mode(f.get("mode")),
+                human_bytes(int(f["size"])),
+                str(len(f.get("chunks") or [])),
+                str(f["path"]),
             ]
             for f in files
         ]
@@ -300,10 +273,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ids = None if args.all else [args.checkpoint_id]
     with _opened(args) as store:
         report = store.verify(ids, read_data=args.read_data)
-    data = _as_dict(report)
     problems = list(report.problems)
     if args.json:
-        print_json(data)
+        print_json(report.as_dict())
     else:
         checked = len(report.checkpoints)
         if not problems:
@@ -328,7 +300,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     # like success to a cron job, or the store silently stops shrinking.
     code = EXIT_FAILURE if report.problems else EXIT_OK
     if args.json:
-        print_json(_as_dict(report))
+        print_json(report.as_dict())
         return code
     verb = "would delete" if args.dry_run else "deleted"
     for checkpoint in report.manifests_deleted:

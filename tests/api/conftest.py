@@ -203,12 +203,18 @@ class FakeService:
         _raise_if_asked(checkpoint_id)
         if checkpoint_id != "ckpt-1":
             raise NotFound(f"no checkpoint {checkpoint_id}")
-        return {
+        return {  # as DaemonService.show_checkpoint: the manifest, files without chunks
+            "schema_version": 1,
             "checkpoint_id": "ckpt-1",
             "workload": "llm",
-            "created": T0,
+            "created_at": T0,
+            "parent": None,
             "stamp": {"host": {"arch": "x86_64"}, "model": {"revision": "abc123"}},
-            "files": [{"path": "pages-1.img", "size": 1024, "chunks": ["a", "b"]}],
+            "spec": {},
+            "files": [{"path": "pages-1.img", "size": 1024}],
+            "totals": {"bytes_total": 1024, "chunks_total": 2},
+            "extra": {},
+            "bytes_total": 1024,
         }
 
     def list_workloads(self) -> list[dict[str, Any]]:

@@ -119,6 +119,10 @@ def test_typed_answers_carry_every_key_the_service_reports(
     table = run_cli(sock, "ls").stdout.splitlines()
     assert table[0].split() == ["ID", "WORKLOAD", "CREATED", "SIZE", "PARENT"]
     assert table[1].split()[:2] == [pushed.checkpoint_id, "svc"] and table[1].endswith("-")
+    shown = run_cli(sock, "show", pushed.checkpoint_id)
+    assert shown.returncode == 0, shown.stderr
+    assert f"checkpoint  {pushed.checkpoint_id}\nworkload    svc\n" in shown.stdout
+    assert "in 5 files" in shown.stdout and "sub/dir/pages-1.img" in shown.stdout
 
 
 def test_a_client_older_than_the_typed_fields_reads_the_same_in_the_struct_copy(
