@@ -44,17 +44,23 @@ def draw(plan: Plan, out: Path) -> None:
             )
         ax.plot(xs, [max(sum(c.values()), 1) for c in curves], "k-", linewidth=2, label="total")
         if plan.bandwidth:
+            # Clouds with the same notice share one line (GCP and Azure: 30 s).
+            deadlines: dict[float, list[str]] = {}
             for fit in plan.fits:
+                deadlines.setdefault(fit.deadline_seconds, []).append(fit.cloud)
+            for (deadline, clouds), color in zip(
+                deadlines.items(), ("tab:red", "tab:purple", "tab:brown"), strict=False
+            ):
                 # Bytes each live session may hold for the reclaim checkpoint to upload in time.
-                budget = (
-                    plan.bandwidth * fit.deadline_seconds / plan.tp - plan.host_bytes_per_gpu
-                ) / plan.sessions
+                node_budget = plan.bandwidth * deadline
+                budget = (node_budget / plan.tp - plan.host_bytes_per_gpu) / plan.sessions
                 if budget > 0:
                     ax.axhline(
                         budget,
+                        color=color,
                         linestyle="--",
-                        linewidth=1,
-                        label=f"{fit.cloud} {fit.deadline_seconds:.0f} s window",
+                        linewidth=1.2,
+                        label=f"{', '.join(clouds)}: {deadline:.0f} s notice",
                     )
         ax.axvline(plan.context, color="grey", linewidth=0.8)
         ax.set_xscale("log")

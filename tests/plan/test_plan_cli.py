@@ -299,3 +299,27 @@ def test_a_pool_that_cannot_fit_the_weights_is_refused(cli: Cli, tmp_path: Path)
     result = cli("plan", "--model", str(model), "--gpu-memory", "80GB")
     assert result.rc == EXIT_USAGE, str(result)
     assert _one_line(result.err) and "no room for a KV pool" in result.err
+
+
+def test_weights_of_a_single_file_checkpoint_come_from_its_header(cli: Cli, tmp_path: Path) -> None:
+    model = _model_dir(tmp_path, "llama-2-7b")
+    header = {
+        "__metadata__": {"format": "pt"},
+        "a": {"dtype": "F16", "shape": [4, 4], "data_offsets": [0, 32]},
+        "b": {"dtype": "F16", "shape": [8], "data_offsets": [32, 48]},
+    }
+    raw = json.dumps(header).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(48))
+    out = cli.ok("plan", "--model", str(model), "--json").json()
+    assert out["weights_bytes"]["per_node"] == 48
+    assert out["weights_source"].endswith("model.safetensors")
+
+
+def test_an_index_without_total_size_is_a_usage_error(cli: Cli, tmp_path: Path) -> None:
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"weight_map": {}}))
+    result = cli(
+        "plan", "--model", str(CONFIGS / "llama-2-7b.json"), "--safetensors-index", str(index)
+    )
+    assert result.rc == EXIT_USAGE, str(result)
+    assert _one_line(result.err) and "total_size" in result.err
