@@ -200,11 +200,18 @@ def find_config(model: Path) -> Path:
 
 def load_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{path} is not valid JSON ({what}): {exc}") from exc
+        raw = path.read_bytes()
     except OSError as exc:
         raise InvalidArgument(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return parse_json_object(raw, path, what)
+
+
+def parse_json_object(raw: bytes, path: Path, what: str) -> dict[str, Any]:
+    """``raw`` as a JSON object, or ``InvalidArgument`` naming ``path`` and ``what`` it is."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"{path} is not valid JSON ({what}): {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidArgument(f"{path} is not a JSON object ({what})")
     return data

@@ -8,12 +8,11 @@ gives the same figure without reading the tensors.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpusnap.cli.plan.shapes import load_json
+from gpusnap.cli.plan.shapes import load_json, parse_json_object
 from gpusnap.errors import InvalidArgument, NotFound
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,13 +50,10 @@ def from_single_file(path: Path) -> Weights:
             (length,) = struct.unpack("<Q", raw_len)
             if length > _MAX_HEADER:
                 raise InvalidArgument(f"{path}: safetensors header of {length} bytes is too long")
-            header = json.loads(f.read(length))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{path}: the safetensors header is not JSON: {exc}") from exc
+            raw = f.read(length)
     except OSError as exc:
         raise InvalidArgument(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if not isinstance(header, dict):
-        raise InvalidArgument(f"{path}: the safetensors header is not a JSON object")
+    header = parse_json_object(raw, path, "safetensors header")
     end = 0
     for name, entry in header.items():
         if name == "__metadata__":
