@@ -20,7 +20,7 @@ import sys
 import traceback
 
 from gpusnap import __version__
-from gpusnap.cli import store_cmds
+from gpusnap.cli import plan, store_cmds
 from gpusnap.cli._common import Subparsers, common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_options(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     store_cmds.register(subparsers)
+    plan.register(subparsers)
     _register_optional(subparsers)
     return parser
 
