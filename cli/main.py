@@ -1,9 +1,10 @@
 """``gpusnap``: the operator CLI.
 
-``gpusnap store …`` (``cli/store_cmds.py``) works on a store directly, without the daemon; the
-daemon and trigger commands (``cli/daemon_cmds.py``, ``cli/trigger_cmds.py``) talk to
-``gpusnapd`` over gRPC. Each command module has one ``register(subparsers)``; a new one is
-imported here and named in ``COMMAND_MODULES``.
+``gpusnap store …`` (``cli/store_cmds.py``) works on a store directly and ``gpusnap plan``
+(``cli/plan/``) on a model's config, both without the daemon; the daemon and trigger commands
+(``cli/daemon_cmds.py``, ``cli/trigger_cmds.py``) talk to ``gpusnapd`` over gRPC. Each command
+module has one ``register(subparsers)``; a new one is imported here and named in
+``COMMAND_MODULES``.
 
 Exit codes (one table, ``gpusnap/errors.py``): 0 success, 1 any other error, 2 usage error,
 3 not found, 4 integrity or authenticity failure, 5 daemon unreachable, 130 interrupted.
@@ -20,7 +21,7 @@ import sys
 import traceback
 
 from gpusnap import __version__
-from gpusnap.cli import daemon_cmds, store_cmds, trigger_cmds
+from gpusnap.cli import daemon_cmds, plan, store_cmds, trigger_cmds
 from gpusnap.cli._common import common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
@@ -28,6 +29,7 @@ from gpusnap.errors import EXIT_FAILURE, GpusnapError
 # Every command module, in the order `gpusnap --help` lists their commands.
 COMMAND_MODULES = (
     store_cmds,
+    plan,
     daemon_cmds,
     trigger_cmds,
 )
