@@ -27,8 +27,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from gpusnap.daemon.triggers._http import Response, request
-from gpusnap.daemon.triggers.base import Notice
+from gpusnap.daemon.reclaim._http import Response, request
+from gpusnap.daemon.reclaim.manager import Notice
 from gpusnap.errors import Corrupt, Unavailable
 
 log = logging.getLogger(__name__)

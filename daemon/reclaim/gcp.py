@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Literal
 from urllib.parse import quote
 
-from gpusnap.daemon.triggers._http import request
-from gpusnap.daemon.triggers.base import Notice
+from gpusnap.daemon.reclaim._http import request
+from gpusnap.daemon.reclaim.manager import Notice
 from gpusnap.errors import Corrupt, NotFound, Unavailable
 
 log = logging.getLogger(__name__)

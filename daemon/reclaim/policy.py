@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gpusnap.daemon.model import Job, JobState
-from gpusnap.daemon.triggers.base import Notice
+from gpusnap.daemon.reclaim.manager import Notice
 from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,

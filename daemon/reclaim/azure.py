@@ -28,8 +28,8 @@ from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from gpusnap.daemon.triggers._http import request
-from gpusnap.daemon.triggers.base import Notice, NoticeKind
+from gpusnap.daemon.reclaim._http import request
+from gpusnap.daemon.reclaim.manager import Notice, NoticeKind
 from gpusnap.errors import Corrupt, Unavailable
 
 log = logging.getLogger(__name__)

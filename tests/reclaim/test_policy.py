@@ -10,18 +10,18 @@ from collections.abc import Callable
 import pytest
 
 from gpusnap.daemon.model import Job, JobState
-from gpusnap.daemon.triggers.aws import AwsImdsWatcher
-from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher
-from gpusnap.daemon.triggers.base import Notice, TriggerManager
-from gpusnap.daemon.triggers.policy import (
+from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
+from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
+from gpusnap.daemon.reclaim.manager import Notice, TriggerManager
+from gpusnap.daemon.reclaim.policy import (
     PolicyEngine,
     WorkloadPolicy,
     drill_notice,
     parse_workload_policy,
 )
 from gpusnap.errors import InvalidArgument
+from tests.reclaim.fakes import FakeRunner
 from tests.support.metadata_servers import AwsImdsServer, AzureEventsServer
-from tests.triggers.fakes import FakeRunner
 
 pytestmark = pytest.mark.timeout(60)
 

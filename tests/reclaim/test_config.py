@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from gpusnap.daemon.triggers.aws import AwsImdsWatcher
-from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher
-from gpusnap.daemon.triggers.config import (
+from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
+from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
+from gpusnap.daemon.reclaim.config import (
     TriggersConfig,
     build_watchers,
     detect_provider,
     parse_triggers_config,
 )
-from gpusnap.daemon.triggers.gcp import GcpMetadataWatcher
+from gpusnap.daemon.reclaim.gcp import GcpMetadataWatcher
 from gpusnap.errors import InvalidArgument
 from tests.support.metadata_servers import (
     AwsImdsServer,

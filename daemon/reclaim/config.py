@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.daemon.triggers._http import check_base_url
-from gpusnap.daemon.triggers.aws import AwsImdsWatcher, probe_aws
-from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher, probe_azure
-from gpusnap.daemon.triggers.base import Watcher
-from gpusnap.daemon.triggers.gcp import GcpMetadataWatcher, probe_gcp
+from gpusnap.daemon.reclaim._http import check_base_url
+from gpusnap.daemon.reclaim.aws import AwsImdsWatcher, probe_aws
+from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher, probe_azure
+from gpusnap.daemon.reclaim.gcp import GcpMetadataWatcher, probe_gcp
+from gpusnap.daemon.reclaim.manager import Watcher
 from gpusnap.errors import InvalidArgument
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ import threading
 from typing import Any, Protocol
 
 from gpusnap.daemon import sdnotify
-from gpusnap.daemon.migration import (
+from gpusnap.daemon.model import CompatVerdict, Job
+from gpusnap.daemon.reclaim.board import (
     MigrationBoard,
     MigrationClaim,
     MigrationConfig,
@@ -23,11 +24,10 @@ from gpusnap.daemon.migration import (
     default_node_id,
     parse_migration_config,
 )
-from gpusnap.daemon.model import CompatVerdict, Job
-from gpusnap.daemon.triggers.base import Notice, TriggerManager
-from gpusnap.daemon.triggers.config import TriggersConfig, build_watchers, parse_triggers_config
-from gpusnap.daemon.triggers.policy import PolicyEngine, drill_notice, parse_workload_policy
-from gpusnap.daemon.triggers.shutdown import (
+from gpusnap.daemon.reclaim.config import TriggersConfig, build_watchers, parse_triggers_config
+from gpusnap.daemon.reclaim.manager import Notice, TriggerManager
+from gpusnap.daemon.reclaim.policy import PolicyEngine, drill_notice, parse_workload_policy
+from gpusnap.daemon.reclaim.shutdown import (
     LogindInhibitor,
     StopTimeoutExtender,
     sigterm_notice,

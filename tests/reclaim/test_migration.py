@@ -13,18 +13,18 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.migration import (
+from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState, Reason
+from gpusnap.daemon.reclaim.board import (
     MigrationBoard,
     MigrationClaim,
     MigrationRequest,
     StandbyLoop,
     parse_migration_config,
 )
-from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState, Reason
 from gpusnap.errors import Corrupt, InvalidArgument, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore
-from tests.triggers.conftest import StoreSpec
+from tests.reclaim.conftest import StoreSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,8 +118,8 @@ CHILD = r"""
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from tests.triggers.conftest import StoreSpec
-from gpusnap.daemon.migration import MigrationBoard
+from tests.reclaim.conftest import StoreSpec
+from gpusnap.daemon.reclaim.board import MigrationBoard
 spec = StoreSpec({url!r}, Path({key!r}), {endpoint!r})
 store = spec.open(Path({cache!r}))
 board = MigrationBoard(store.backend, store)

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpusnap.daemon.triggers.aws import AwsImdsWatcher
-from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher
-from gpusnap.daemon.triggers.base import Notice, TriggerManager, Watcher
-from gpusnap.daemon.triggers.gcp import GcpMetadataWatcher
+from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
+from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
+from gpusnap.daemon.reclaim.gcp import GcpMetadataWatcher
+from gpusnap.daemon.reclaim.manager import Notice, TriggerManager, Watcher
 from gpusnap.errors import Corrupt, NotFound, Unavailable
 from tests.support.metadata_servers import (
     AwsImdsServer,

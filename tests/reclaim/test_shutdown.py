@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.model import JobState
-from gpusnap.daemon.triggers.base import Notice
-from gpusnap.daemon.triggers.policy import PolicyEngine, WorkloadPolicy
-from gpusnap.daemon.triggers.shutdown import LogindInhibitor, StopTimeoutExtender
+from gpusnap.daemon.reclaim.manager import Notice
+from gpusnap.daemon.reclaim.policy import PolicyEngine, WorkloadPolicy
+from gpusnap.daemon.reclaim.shutdown import LogindInhibitor, StopTimeoutExtender
 from gpusnap.errors import Unavailable
-from tests.triggers.fakes import FakeRunner
+from tests.reclaim.fakes import FakeRunner
 
 jeepney = pytest.importorskip("jeepney")
 from jeepney import DBusAddress, HeaderFields, MessageType, new_method_return, new_signal  # noqa: E402

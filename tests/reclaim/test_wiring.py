@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.migration import MigrationConfig
 from gpusnap.daemon.model import CompatVerdict, Job, JobState
-from gpusnap.daemon.triggers.config import TriggersConfig
-from gpusnap.daemon.triggers.wiring import start_triggers
+from gpusnap.daemon.reclaim.board import MigrationConfig
+from gpusnap.daemon.reclaim.config import TriggersConfig
+from gpusnap.daemon.reclaim.runtime import start_triggers
 from gpusnap.errors import FailedPrecondition
 from gpusnap.storage.keys import generate_signing_key
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore, open_store
+from tests.reclaim.fakes import FakeRunner
 from tests.support.metadata_servers import AwsImdsServer
-from tests.triggers.fakes import FakeRunner
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,6 +9,6 @@ the ``[triggers]`` table. This package may import ``gpusnap.storage`` (errors) a
 wires it in through the small protocols defined here.
 """
 
-from gpusnap.daemon.triggers.base import Notice, NoticeKind, TriggerManager, Watcher, WatcherState
+from gpusnap.daemon.reclaim.manager import Notice, NoticeKind, TriggerManager, Watcher, WatcherState
 
 __all__ = ["Notice", "NoticeKind", "TriggerManager", "Watcher", "WatcherState"]
