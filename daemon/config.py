@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.daemon.reclaim.policy import POLICY_KEYS, parse_workload_policy
+from gpusnap.daemon.reclaim.config import POLICY_KEYS, parse_workload_policy
 from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage.backend import BackendOptions, registered_schemes
 from gpusnap.storage.keys import load_encryption_key, load_signing_key
@@ -108,7 +108,7 @@ class WorkloadConfig:
     model: ModelSpec | None = None
     start: StartSpec | None = None
     # Trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), checked
-    # and interpreted by gpusnap.daemon.reclaim.policy.
+    # and interpreted by gpusnap.daemon.reclaim.config.
     policy: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -133,7 +133,7 @@ class Config:
     gpu: GpuSection
     metrics: MetricsSection
     triggers: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
-    migration: Any  # parsed by gpusnap.daemon.reclaim.board when it can, else the raw table
+    migration: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     def workload(self, name: str) -> WorkloadConfig | None:
@@ -189,10 +189,10 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
     gpu = _parse_gpu(top.table("gpu"))
     metrics = _parse_metrics(top.table("metrics"))
     triggers = _parse_plugged(
-        top.raw_table("triggers"), "gpusnap.daemon.reclaim.config", "parse_triggers_config"
+        top.raw_table("triggers"), "gpusnap.daemon.reclaim.config", "parse_triggers"
     )
     migration = _parse_plugged(
-        top.raw_table("migration"), "gpusnap.daemon.reclaim.board", "parse_migration_config"
+        top.raw_table("migration"), "gpusnap.daemon.reclaim.config", "parse_migration"
     )
     top.done()
     _check_store_keys(store)

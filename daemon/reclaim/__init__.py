@@ -1,14 +1,18 @@
-"""Reclaim triggers: cloud spot/preemption watchers, node shutdown, and the policy that turns
-their notices into deadline-bound checkpoints.
+"""Reclaim: spot-reclaim and shutdown notices become deadline-bound checkpoints, and reclaimed
+checkpoints find a new node through the store.
 
-``base`` holds the ``Notice`` value and the ``TriggerManager`` that runs watchers; ``aws``,
-``gcp`` and ``azure`` speak each provider's instance metadata protocol; ``shutdown`` hooks
-SIGTERM and logind; ``policy`` decides, per workload, what a notice starts; ``config`` parses
-the ``[triggers]`` table. This package may import ``gpusnap.storage`` (errors) and
-``gpusnap.daemon.model``; it never imports the service, the gRPC layer or the CLI — the daemon
-wires it in through the small protocols defined here.
+- ``notice``: the ``Notice`` value every part passes on; ``manager``: runs watchers, delivers
+  each notice once; ``aws``, ``gcp``, ``azure`` (over ``_http``): each cloud's metadata
+  protocol; ``providers``: ``auto`` detection and the watchers ``[triggers]`` asks for;
+  ``shutdown``: logind, SIGTERM and the stop-time extension.
+- ``policy``: per workload, what a notice or a schedule starts.
+- ``board``: the migration board (signed records in the store, claimed exactly once);
+  ``standby``: the loop that adopts reclaimed workloads.
+- ``config``: the typed ``[triggers]``, ``[migration]`` and per-workload policy tables;
+  ``node``: ``NodeDaemon``, all reclaim needs of the daemon; ``runtime``: ``ReclaimRuntime``,
+  everything above running in one daemon (``start_reclaim``).
+
+May import ``gpusnap.errors``, ``gpusnap.storage``, ``gpusnap.daemon.model`` (jobs, verdicts)
+and ``gpusnap.daemon.sdnotify``; never the service, the gRPC layer, the daemon's config or the
+CLI: the daemon hands itself over as a ``NodeDaemon`` and its config as the typed tables here.
 """
-
-from gpusnap.daemon.reclaim.manager import Notice, NoticeKind, TriggerManager, Watcher, WatcherState
-
-__all__ = ["Notice", "NoticeKind", "TriggerManager", "Watcher", "WatcherState"]

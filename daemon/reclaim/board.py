@@ -1,8 +1,8 @@
 """The migration board: reclaimed checkpoints find a new node through the store, exactly once.
 
 Keys, under the store's reserved ``migrations/`` prefix, one folder per checkpoint; every
-object is written once (``put(if_absent=True)``) and is a record sealed with the store's
-signing key (``CheckpointStore.sign``), so a node acts only on requests a trusted node wrote::
+object is written once (if absent) and is a JSON record sealed with the store's signing key,
+so a node acts only on requests a trusted node wrote::
 
     migrations/<checkpoint id>/request          the reclaimed node asks for a new home
     migrations/<checkpoint id>/claim-0000       the node that won the claim (attempt 0)
@@ -24,9 +24,9 @@ request is then pending again and the next claim uses the next attempt number â€
 only way two nodes can both act on one checkpoint, and it needs the first to have gone silent
 for the whole timeout.
 
-``StandbyLoop`` runs on standby nodes: a node whose stamp matches claims at once and
-restores; a node that does not match waits until the request is ``cold_start_after_s`` old,
-then claims it to cold-start the workload and records why.
+The board reaches the store through one small seam, ``SignedRecords`` (put-if-absent, get,
+list and delete of signed records), implemented by ``StoreRecords`` over the store's backend
+and its ``sign``/``open_signed``. Standby nodes read the board in ``reclaim/standby.py``.
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ import json
 import logging
 import re
 import secrets
-import socket
-import threading
 import time
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, Union, get_args, get_origin
+from typing import get_type_hints as _hints
 
-from gpusnap.daemon.model import CompatVerdict, Job, JobState
 from gpusnap.errors import (
     AlreadyExists,
     Corrupt,
@@ -51,66 +50,78 @@ from gpusnap.errors import (
     InvalidArgument,
     NotFound,
 )
-from gpusnap.storage.backend import Backend
 from gpusnap.storage.manifest import check_checkpoint_id
+from gpusnap.storage.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-PREFIX = "migrations/"
+PREFIX = "migrations/"  # the store's reserved prefix for the board
 RECORD_VERSION = 1
 ClaimMode = Literal["restore", "cold-start"]
+OutcomeState = Literal["succeeded", "failed"]
 
 
-class RecordSigner(Protocol):
-    """``CheckpointStore`` satisfies this."""
-
-    def sign(self, payload: bytes) -> bytes: ...
-
-    def open_signed(self, blob: bytes) -> bytes: ...
+# --- the seam to the store ----------------------------------------------------------------------
 
 
-# --- config -----------------------------------------------------------------------------------
+class SignedRecords(Protocol):
+    """The board's whole use of the store: small JSON records sealed with the store's key."""
+
+    def put_if_absent(self, key: str, doc: Mapping[str, Any]) -> None:
+        """Write ``doc`` at ``key`` once; ``AlreadyExists`` if anything is there."""
+        ...
+
+    def get(self, key: str) -> dict[str, Any]:
+        """The record at ``key``, authenticated: ``NotFound``, or ``Corrupt`` when it does not
+        open with the store's key or is not a JSON object."""
+        ...
+
+    def list(self, prefix: str) -> list[str]:
+        """The keys under ``prefix`` (records or not)."""
+        ...
+
+    def delete(self, key: str) -> None: ...
 
 
-@dataclass(frozen=True)
-class MigrationConfig:
-    standby: bool = False
-    poll_interval: float = 5.0  # seconds between looks at the board
-    cold_start_after: float = 120.0  # an incompatible node claims a request this old
-    claim_timeout: float = 1800.0  # a claim without outcome this old is taken over
-    node_id: str = ""  # empty: the host name
+class StoreRecords:
+    """``SignedRecords`` over a ``CheckpointStore``: raw keys of its backend, sealed and opened
+    with its ``sign``/``open_signed``. The one place the board touches the store."""
 
+    def __init__(self, store: CheckpointStore) -> None:
+        self._store = store
 
-def parse_migration_config(data: Mapping[str, Any]) -> MigrationConfig:
-    """Validate the ``[migration]`` table strictly (unknown keys are errors)."""
-    known = MigrationConfig.__dataclass_fields__
-    values: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in known:
-            raise InvalidArgument(
-                f"[migration] unknown key {key!r}; known keys: {', '.join(sorted(known))}"
-            )
-        if key == "standby":
-            if not isinstance(value, bool):
-                raise InvalidArgument("[migration] standby must be true or false")
-        elif key == "node_id":
-            if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-                raise InvalidArgument("[migration] node_id must be a non-empty word")
-        elif isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise InvalidArgument(f"[migration] {key} must be a number of seconds > 0")
-        values[key] = float(value) if key not in ("standby", "node_id") else value
-    return MigrationConfig(**values)
+    def put_if_absent(self, key: str, doc: Mapping[str, Any]) -> None:
+        payload = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        self._store.backend.put(key, self._store.sign(payload), if_absent=True)
 
+    def get(self, key: str) -> dict[str, Any]:
+        payload = self._store.open_signed(self._store.backend.get(key))
+        try:
+            doc = json.loads(payload)
+        except ValueError as exc:
+            raise Corrupt(f"migration record {key} is not JSON") from exc
+        if not isinstance(doc, dict):
+            raise Corrupt(f"migration record {key} is not a JSON object")
+        return doc
 
-def default_node_id() -> str:
-    return socket.gethostname()
+    def list(self, prefix: str) -> list[str]:
+        return [info.key for info in self._store.backend.list(prefix)]
+
+    def delete(self, key: str) -> None:
+        self._store.backend.delete(key)
 
 
 # --- records ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class MigrationRequest:
+class _Record:
+    KIND: ClassVar[str]  # "request" | "claim" | "outcome": the record's format name
+
+
+@dataclass(frozen=True)
+class MigrationRequest(_Record):
+    KIND = "request"
     checkpoint_id: str
     workload: str
     source_node: str
@@ -120,7 +131,8 @@ class MigrationRequest:
 
 
 @dataclass(frozen=True)
-class MigrationClaim:
+class MigrationClaim(_Record):
+    KIND = "claim"
     checkpoint_id: str
     node_id: str
     mode: ClaimMode
@@ -131,15 +143,19 @@ class MigrationClaim:
 
 
 @dataclass(frozen=True)
-class MigrationOutcome:
+class MigrationOutcome(_Record):
+    KIND = "outcome"
     checkpoint_id: str
     node_id: str
-    state: str  # "succeeded" | "failed"
+    state: OutcomeState
     mode: str  # "restored" | "cold-start" | "" when it failed before knowing
     attempt: int
     finished_at: float
     detail: str = ""
     job_id: str = ""
+
+
+_R = TypeVar("_R", bound=_Record)
 
 
 @dataclass(frozen=True)
@@ -174,61 +190,37 @@ def _claim_key(checkpoint_id: str, attempt: int) -> str:
 
 # At most 18 digits: an attempt number always fits, and a planted name cannot make one huge.
 _CLAIM_NAME = re.compile(r"claim-([0-9]{1,18})")
-_NUMBER = (int, float)
-
-# The type of every field of each record, as ``_check_record`` checks them.
-_REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
-    "checkpoint_id": (str,),
-    "workload": (str,),
-    "source_node": (str,),
-    "created_at": _NUMBER,
-    "deadline": (*_NUMBER, type(None)),
-    "stamp_summary": (dict,),
-}
-_CLAIM_FIELDS: dict[str, tuple[type, ...]] = {
-    "checkpoint_id": (str,),
-    "node_id": (str,),
-    "mode": (str,),
-    "attempt": (int,),
-    "claimed_at": _NUMBER,
-    "reason": (str,),
-    "nonce": (str,),
-}
-_OUTCOME_FIELDS: dict[str, tuple[type, ...]] = {
-    "checkpoint_id": (str,),
-    "node_id": (str,),
-    "state": (str,),
-    "mode": (str,),
-    "attempt": (int,),
-    "finished_at": _NUMBER,
-    "detail": (str,),
-    "job_id": (str,),
-}
-_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "request": _REQUEST_FIELDS,
-    "claim": _CLAIM_FIELDS,
-    "outcome": _OUTCOME_FIELDS,
-}
 
 
-def _check_record(key: str, kind: str, doc: dict[str, Any], folder: str, cls: type[Any]) -> None:
-    """``Corrupt`` unless ``doc`` has the fields of a ``kind`` record (those of ``cls`` without
-    a default at least), each of its type, and names the checkpoint of its ``folder``."""
-    required = {f.name for f in fields(cls) if f.default is MISSING}
-    for name, types in _FIELDS[kind].items():
-        if name not in doc:
-            if name in required:
-                raise Corrupt(f"migration record {key} lacks {name!r}")
+def _json_types(hint: object) -> tuple[type, ...]:
+    """The JSON value types a record field annotated ``hint`` may hold (a number may be
+    written as an int)."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        return (str,)
+    if origin in (Union, types.UnionType):
+        return tuple(t for arg in get_args(hint) for t in _json_types(arg))
+    if hint is float:
+        return (int, float)
+    return (origin or hint,)  # type: ignore[return-value]
+
+
+def _check_record(key: str, doc: dict[str, Any], folder: str, cls: type[_Record]) -> None:
+    """``Corrupt`` unless ``doc`` has the fields of a ``cls`` record (those without a default
+    at least), each of its annotated type and value, and names the checkpoint of ``folder``."""
+    hints = _hints(cls)
+    for f in fields(cls):
+        if f.name not in doc:
+            if f.default is MISSING:
+                raise Corrupt(f"migration record {key} lacks {f.name!r}")
             continue
-        value = doc[name]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise Corrupt(f"migration record {key}: {name!r} is not a {types[0].__name__}")
+        value, allowed = doc[f.name], _json_types(hints[f.name])
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise Corrupt(f"migration record {key}: {f.name!r} is not a {allowed[0].__name__}")
+        if get_origin(hints[f.name]) is Literal and value not in get_args(hints[f.name]):
+            raise Corrupt(f"migration record {key}: unknown {f.name} {value!r}")
     if doc["checkpoint_id"] != folder:
         raise Corrupt(f"migration record {key} names checkpoint {doc['checkpoint_id']!r}")
-    if kind == "claim" and doc["mode"] not in ("restore", "cold-start"):
-        raise Corrupt(f"migration record {key}: unknown mode {doc['mode']!r}")
-    if kind == "outcome" and doc["state"] not in ("succeeded", "failed"):
-        raise Corrupt(f"migration record {key}: unknown state {doc['state']!r}")
 
 
 class MigrationBoard:
@@ -236,61 +228,48 @@ class MigrationBoard:
 
     def __init__(
         self,
-        backend: Backend,
-        signer: RecordSigner,
+        records: SignedRecords,
         *,
         claim_timeout_s: float = 1800.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.backend = backend
-        self.signer = signer
+        self.records = records
         self.claim_timeout_s = claim_timeout_s
         self._clock = clock
 
     # --- sealed JSON records ------------------------------------------------------------------
 
-    def _write(self, key: str, kind: str, record: object) -> None:
-        doc = {"format": f"gpusnap.migration.{kind}/{RECORD_VERSION}", **asdict(record)}  # type: ignore[call-overload]
-        payload = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        self.backend.put(key, self.signer.sign(payload), if_absent=True)
+    def _write(self, key: str, record: _Record) -> None:
+        fmt = f"gpusnap.migration.{record.KIND}/{RECORD_VERSION}"
+        self.records.put_if_absent(key, {"format": fmt, **asdict(record)})
 
-    def _read(self, key: str, kind: str) -> dict[str, Any]:
-        payload = self.signer.open_signed(self.backend.get(key))
-        try:
-            doc = json.loads(payload)
-        except ValueError as exc:
-            raise Corrupt(f"migration record {key} is not JSON") from exc
-        if not isinstance(doc, dict) or doc.pop("format", None) != (
-            f"gpusnap.migration.{kind}/{RECORD_VERSION}"
-        ):
-            raise Corrupt(f"migration record {key} is not a {kind} record")
-        return doc
-
-    def _read_as(self, key: str, kind: str, cls: type[Any]) -> Any:
+    def _read_as(self, key: str, cls: type[_R]) -> _R:
         """The record at ``key``, opened, checked and of the checkpoint of its folder;
         ``Corrupt`` (or ``NotFound``) otherwise."""
-        doc = self._read(key, kind)
+        doc = self.records.get(key)
+        if doc.pop("format", None) != f"gpusnap.migration.{cls.KIND}/{RECORD_VERSION}":
+            raise Corrupt(f"migration record {key} is not a {cls.KIND} record")
         folder = key[len(PREFIX) :].partition("/")[0]
-        _check_record(key, kind, doc, folder, cls)
+        _check_record(key, doc, folder, cls)
         try:
             return cls(**doc)
         except TypeError as exc:
             raise Corrupt(f"migration record {key} has unexpected fields") from exc
 
-    def _write_or_read(self, key: str, kind: str, record: Any) -> Any | None:
+    def _write_or_read(self, key: str, record: _R) -> _R | None:
         """Write ``record`` once at ``key``. ``None`` when ours landed; else the valid record
         already there. A record there that does not hold is not one of ours: it counts for
         nothing and must not keep ours out (a claim would go stale and the workload be restored
         twice), so it is replaced."""
         try:
-            self._write(key, kind, record)
+            self._write(key, record)
         except AlreadyExists:
             try:
-                return self._read_as(key, kind, type(record))
+                return self._read_as(key, type(record))
             except Corrupt as exc:
                 log.warning("replacing migration record %s, which does not hold: %s", key, exc)
-                self.backend.delete(key)
-                self._write(key, kind, record)
+                self.records.delete(key)
+                self._write(key, record)
         return None
 
     # --- API ----------------------------------------------------------------------------------
@@ -314,9 +293,7 @@ class MigrationBoard:
             deadline,
             dict(stamp_summary or {}),
         )
-        existing: MigrationRequest | None = self._write_or_read(
-            f"{PREFIX}{checkpoint_id}/request", "request", req
-        )
+        existing = self._write_or_read(f"{PREFIX}{checkpoint_id}/request", req)
         if existing is not None:
             log.info("migration request for %s already published", checkpoint_id)
             return existing
@@ -325,8 +302,8 @@ class MigrationBoard:
 
     def _folders(self) -> dict[str, set[str]]:
         folders: dict[str, set[str]] = {}
-        for info in self.backend.list(PREFIX):
-            rest = info.key[len(PREFIX) :]
+        for key in self.records.list(PREFIX):
+            rest = key[len(PREFIX) :]
             cid, sep, name = rest.partition("/")
             if sep and "/" not in name:
                 folders.setdefault(cid, set()).add(name)
@@ -335,11 +312,11 @@ class MigrationBoard:
     def _status(self, cid: str, names: set[str]) -> MigrationStatus:
         """The migration of ``cid`` as its valid records tell it. ``Corrupt``/``NotFound`` when
         the request itself does not hold; invalid claims and outcomes are ignored (logged)."""
-        req: MigrationRequest = self._read_as(f"{PREFIX}{cid}/request", "request", MigrationRequest)
+        req = self._read_as(f"{PREFIX}{cid}/request", MigrationRequest)
         claim: MigrationClaim | None = None
         for attempt in sorted(_claim_numbers(names), reverse=True):
             key = _claim_key(cid, attempt)
-            found = self._valid(key, "claim", MigrationClaim)
+            found = self._valid(key, MigrationClaim)
             if found is not None and found.attempt != attempt:
                 log.warning("ignoring migration record %s: it says attempt %d", key, found.attempt)
                 found = None
@@ -348,7 +325,7 @@ class MigrationBoard:
                 break
         outcome: MigrationOutcome | None = None
         if "outcome" in names:
-            outcome = self._valid(f"{PREFIX}{cid}/outcome", "outcome", MigrationOutcome)
+            outcome = self._valid(f"{PREFIX}{cid}/outcome", MigrationOutcome)
         stale = (
             outcome is None
             and claim is not None
@@ -356,11 +333,11 @@ class MigrationBoard:
         )
         return MigrationStatus(req, claim, outcome, stale)
 
-    def _valid(self, key: str, kind: str, cls: type[Any]) -> Any:
+    def _valid(self, key: str, cls: type[_R]) -> _R | None:
         """The record at ``key`` if it holds, else ``None`` (logged: someone without the key
         wrote it, or it is damaged; either way it does not count)."""
         try:
-            return self._read_as(key, kind, cls)
+            return self._read_as(key, cls)
         except NotFound:
             return None
         except (Corrupt, FailedPrecondition) as exc:
@@ -414,11 +391,11 @@ class MigrationBoard:
         )
         key = _claim_key(checkpoint_id, attempt)
         try:
-            self._write(key, "claim", claim)
+            self._write(key, claim)
         except AlreadyExists:
             # A retried put whose first try landed also ends here: the nonce tells.
             try:
-                held: MigrationClaim = self._read_as(key, "claim", MigrationClaim)
+                held = self._read_as(key, MigrationClaim)
             except GpusnapError:
                 return None
             if held.nonce == claim.nonce:
@@ -450,7 +427,7 @@ class MigrationBoard:
             job_id,
         )
         key = f"{PREFIX}{claim.checkpoint_id}/outcome"
-        held: MigrationOutcome | None = self._write_or_read(key, "outcome", outcome)
+        held = self._write_or_read(key, outcome)
         if held is None:
             return outcome
         if held.node_id == claim.node_id and held.attempt == claim.attempt:
@@ -461,147 +438,3 @@ class MigrationBoard:
 def _claim_numbers(names: set[str]) -> list[int]:
     """The attempt numbers of the ``claim-N`` names in a folder (valid records or not)."""
     return [int(m.group(1)) for n in names if (m := _CLAIM_NAME.fullmatch(n))]
-
-
-# --- standby ----------------------------------------------------------------------------------
-
-
-CompatCheck = Callable[[str], CompatVerdict]
-RestoreRun = Callable[[MigrationRequest, MigrationClaim], Job]  # blocks until the job ends
-
-
-class StandbyLoop:
-    """Watches the board and adopts reclaimed workloads (``[migration] standby = true``)."""
-
-    def __init__(
-        self,
-        board: MigrationBoard,
-        node_id: str,
-        compat: CompatCheck,
-        restore: RestoreRun,
-        *,
-        cold_start_after_s: float = 120.0,
-        poll_interval_s: float = 5.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.board = board
-        self.node_id = node_id
-        self._compat = compat
-        self._restore = restore
-        self.cold_start_after_s = cold_start_after_s
-        self.poll_interval_s = poll_interval_s
-        self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.last_error: str | None = None
-        # Outcomes of restores this node ran that the store has not taken yet (unreachable
-        # when the job ended): retried first at every tick. Until one lands the claim stays
-        # live, and a claim left without its outcome would be taken over after the claim
-        # timeout and the workload started a second time.
-        self._unrecorded: list[tuple[MigrationClaim, dict[str, Any]]] = []
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="migration-standby", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                return  # still in a look at the board: it keeps what it could not record
-        # Outcomes still not recorded get one last try; one that does not land leaves its
-        # claim live until the claim timeout, after which another node may act on it.
-        self._record_unrecorded()
-        for claim, _args in self._unrecorded:
-            log.error(
-                "%s: stopping with its migration outcome unrecorded (the store refused it); "
-                "after [migration] claim_timeout another standby may adopt it again",
-                claim.checkpoint_id,
-            )
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-                self.last_error = None
-            except GpusnapError as exc:
-                self.last_error = str(exc)
-                log.warning("migration standby: %s", exc)
-            except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("migration standby failed")
-            self._stop.wait(self.poll_interval_s)
-
-    def tick(self) -> list[MigrationOutcome]:
-        """One look at the board; returns the outcomes this node recorded."""
-        done = self._record_unrecorded()
-        for req in self.board.pending():
-            if self._stop.is_set():
-                break
-            if req.source_node == self.node_id:
-                continue  # the node going away does not adopt its own workload
-            outcome = self._consider(req)
-            if outcome is not None:
-                done.append(outcome)
-        return done
-
-    def _consider(self, req: MigrationRequest) -> MigrationOutcome | None:
-        try:
-            verdict = self._compat(req.checkpoint_id)
-        except GpusnapError as exc:
-            log.warning("%s: compatibility check failed: %s", req.checkpoint_id, exc)
-            return None
-        if verdict.compatible:
-            mode: ClaimMode = "restore"
-            reason = ""
-        else:
-            age = self._clock() - req.created_at
-            if age < self.cold_start_after_s:
-                log.debug("%s: not compatible; waiting for a matching node", req.checkpoint_id)
-                return None
-            mode = "cold-start"
-            why = "; ".join(str(r) for r in verdict.reasons) or "stamp does not match"
-            reason = f"no compatible node claimed within {self.cold_start_after_s:g} s; {why}"
-        claim = self.board.claim(req.checkpoint_id, self.node_id, mode, reason=reason)
-        if claim is None:
-            return None
-        try:
-            job = self._restore(req, claim)
-        except GpusnapError as exc:
-            return self._record(claim, {"succeeded": False, "mode": "", "detail": str(exc)})
-        ok = job.state == JobState.SUCCEEDED
-        result_mode = str(job.result.get("mode", "restored" if mode == "restore" else mode))
-        detail = reason if ok else (job.error or f"restore job ended {job.state}")
-        return self._record(
-            claim, {"succeeded": ok, "mode": result_mode, "detail": detail, "job_id": job.id}
-        )
-
-    def _record(self, claim: MigrationClaim, args: dict[str, Any]) -> MigrationOutcome | None:
-        """Record an outcome; kept for the next tick when the store does not take it now."""
-        try:
-            return self.board.record_outcome(claim, **args)
-        except AlreadyExists:
-            raise  # another node's outcome: nothing of ours to keep retrying
-        except GpusnapError as exc:
-            log.warning(
-                "%s: outcome not recorded yet (retried at the next look): %s",
-                claim.checkpoint_id,
-                exc,
-            )
-            self._unrecorded.append((claim, args))
-            return None
-
-    def _record_unrecorded(self) -> list[MigrationOutcome]:
-        pending, self._unrecorded = self._unrecorded, []
-        done: list[MigrationOutcome] = []
-        for claim, args in pending:
-            try:
-                outcome = self._record(claim, args)
-            except AlreadyExists as exc:
-                log.warning("%s: %s", claim.checkpoint_id, exc)
-                continue
-            if outcome is not None:
-                log.warning("%s: outcome recorded on retry", claim.checkpoint_id)
-                done.append(outcome)
-        return done

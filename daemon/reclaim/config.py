@@ -1,4 +1,10 @@
-"""The ``[triggers]`` config table, and building the watchers it asks for.
+"""Reclaim's config: the ``[triggers]`` and ``[migration]`` tables and each workload's policy keys.
+
+Plain functions over parsed TOML mappings, each returning a frozen, typed value:
+``parse_triggers`` -> ``TriggersConfig``, ``parse_migration`` -> ``MigrationConfig``,
+``parse_workload_policy`` -> ``WorkloadPolicy``. ``gpusnap.daemon.config`` calls them; a
+problem is an ``InvalidArgument`` naming the key. Imports nothing of the daemon (only the
+metadata URL check and the error vocabulary), so the daemon's config can import it freely.
 
 ```
 [triggers]
@@ -16,31 +22,36 @@ aws_rebalance = true                      # watch the AWS rebalance recommendati
 gcp_maintenance = true                    # watch instance/maintenance-event
 preempt_notice = 30.0                     # GCP/Azure deadline when the notice gives none
 logind = true                             # hold a logind shutdown delay lock
+
+[migration]
+standby = false                           # adopt reclaimed workloads from the store
+poll_interval = 5.0                       # seconds between looks at the board
+cold_start_after = 120.0                  # an incompatible node claims a request this old
+claim_timeout = 1800.0                    # a claim without outcome this old is taken over
+node_id = ""                              # empty: [daemon] node_id, else the host name
 ```
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, get_type_hints
 
 from gpusnap.daemon.reclaim._http import check_base_url
-from gpusnap.daemon.reclaim.aws import AwsImdsWatcher, probe_aws
-from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher, probe_azure
-from gpusnap.daemon.reclaim.gcp import GcpMetadataWatcher, probe_gcp
-from gpusnap.daemon.reclaim.manager import Watcher
 from gpusnap.errors import InvalidArgument
 
-log = logging.getLogger(__name__)
-
 PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
+OnNotice = Literal["checkpoint", "none"]
+POLICY_KEYS = frozenset({"on_notice", "checkpoint_interval", "checkpoint_on_rebalance"})
+
+_C = TypeVar("_C")
 
 
 @dataclass(frozen=True)
 class TriggersConfig:
+    """The ``[triggers]`` table: which cloud to watch, and how."""
+
     provider: str = "auto"
     aws_imds_url: str = "http://169.254.169.254"
     gcp_metadata_url: str = "http://metadata.google.internal"
@@ -57,133 +68,123 @@ class TriggersConfig:
     logind: bool = True
 
 
-def _positive(table: str, key: str, value: object, *, integer: bool = False) -> float:
+@dataclass(frozen=True)
+class MigrationConfig:
+    """The ``[migration]`` table: whether this node adopts reclaimed workloads, and how."""
+
+    standby: bool = False
+    poll_interval: float = 5.0  # seconds between looks at the board
+    cold_start_after: float = 120.0  # an incompatible node claims a request this old
+    claim_timeout: float = 1800.0  # a claim without outcome this old is taken over
+    node_id: str = ""  # empty: the daemon's node id, else the host name
+
+
+@dataclass(frozen=True)
+class WorkloadPolicy:
+    """What notices and schedules start for one workload (its ``POLICY_KEYS``)."""
+
+    workload: str
+    on_notice: OnNotice = "checkpoint"
+    checkpoint_interval: float | None = None
+    checkpoint_on_rebalance: bool = True
+
+
+# --- checks of one value; ``where`` is "[table] key" ------------------------------------------
+
+
+def _number(where: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgument(f"[{table}] {key} must be a number, got {value!r:.40}")
-    if integer and not isinstance(value, int):
-        raise InvalidArgument(f"[{table}] {key} must be a whole number, got {value!r:.40}")
+        raise InvalidArgument(f"{where} must be a number, got {value!r:.40}")
     if not value > 0:
-        raise InvalidArgument(f"[{table}] {key} must be greater than 0, got {value!r:.40}")
+        raise InvalidArgument(f"{where} must be greater than 0, got {value!r:.40}")
     return float(value)
 
 
-def _bool(table: str, key: str, value: object) -> bool:
+def _whole(where: str, value: object) -> int:
+    if isinstance(value, float):
+        raise InvalidArgument(f"{where} must be a whole number, got {value!r:.40}")
+    return int(_number(where, value))
+
+
+def _bool(where: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise InvalidArgument(f"[{table}] {key} must be true or false, got {value!r:.40}")
+        raise InvalidArgument(f"{where} must be true or false, got {value!r:.40}")
     return value
 
 
-def check_known_keys(table: str, data: Mapping[str, Any], known: Any) -> None:
-    for key in data:
-        if key not in known:
-            raise InvalidArgument(
-                f"[{table}] unknown key {key!r}; known keys: {', '.join(sorted(known))}"
-            )
+def _url(where: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{where} must be a string")
+    return check_base_url(value, what=where)
 
 
-def parse_triggers_config(data: Mapping[str, Any]) -> TriggersConfig:
-    """Validate the ``[triggers]`` table (a parsed TOML mapping) strictly."""
-    known = TriggersConfig.__dataclass_fields__
-    check_known_keys("triggers", data, known)
-    values: dict[str, Any] = {}
+def _provider(where: str, value: object) -> str:
+    if value not in PROVIDERS:
+        raise InvalidArgument(f"{where} must be one of {', '.join(PROVIDERS)}, got {value!r:.40}")
+    return str(value)
+
+
+def _word(where: str, value: object) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise InvalidArgument(f"{where} must be a non-empty word")
+    return value
+
+
+_BY_TYPE: dict[object, Callable[[str, object], object]] = {
+    float: _number,
+    int: _whole,
+    bool: _bool,
+}
+
+
+def _parse_table(
+    table: str,
+    cls: type[_C],
+    data: Mapping[str, Any],
+    checks: Mapping[str, Callable[[str, object], object]],
+) -> _C:
+    """``cls`` from ``data``, strictly: an unknown key is an error, and each value is checked
+    by ``checks[key]``, else by the type of its field (``_BY_TYPE``)."""
+    types = get_type_hints(cls)  # each field's type; the dataclass's own annotations
+    values: dict[str, object] = {}
     for key, value in data.items():
-        if key == "provider":
-            if value not in PROVIDERS:
-                raise InvalidArgument(
-                    f"[triggers] provider must be one of {', '.join(PROVIDERS)}, got {value!r:.40}"
-                )
-            values[key] = value
-        elif key.endswith("_url"):
-            if not isinstance(value, str):
-                raise InvalidArgument(f"[triggers] {key} must be a string")
-            values[key] = check_base_url(value, what=f"[triggers] {key}")
-        elif key in ("aws_rebalance", "gcp_maintenance", "logind"):
-            values[key] = _bool("triggers", key, value)
-        elif key == "gcp_wait_timeout":
-            values[key] = int(_positive("triggers", key, value, integer=True))
-        else:
-            values[key] = _positive("triggers", key, value)
-    return TriggersConfig(**values)
-
-
-def detect_provider(cfg: TriggersConfig) -> str | None:
-    """Probe AWS, GCP and Azure at once with short timeouts; the first in that order wins."""
-    probes: dict[str, Callable[[], bool]] = {
-        "aws": lambda: probe_aws(cfg.aws_imds_url, cfg.probe_timeout),
-        "gcp": lambda: probe_gcp(cfg.gcp_metadata_url, cfg.probe_timeout),
-        "azure": lambda: probe_azure(cfg.azure_metadata_url, cfg.probe_timeout),
-    }
-    found: dict[str, bool] = {}
-
-    def run(name: str, probe: Callable[[], bool]) -> None:
-        try:
-            found[name] = probe()
-        except Exception:
-            log.exception("probing %s failed", name)
-            found[name] = False
-
-    threads = [
-        threading.Thread(target=run, args=item, name=f"probe-{item[0]}", daemon=True)
-        for item in probes.items()
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(cfg.probe_timeout * 3 + 1)
-    for name in probes:
-        if found.get(name):
-            return name
-    return None
-
-
-def build_watchers(cfg: TriggersConfig) -> tuple[list[Watcher], str]:
-    """The watchers for ``cfg`` and a one-line account of the choice (shown by the CLI).
-
-    ``auto`` probes once, here; a node where no metadata service answers gets no cloud
-    watcher (SIGTERM and logind still work).
-    """
-    provider = cfg.provider
-    detail = f"provider {provider} (configured)"
-    if provider == "auto":
-        found = detect_provider(cfg)
-        if found is None:
-            log.info("triggers: no cloud metadata service answered; no cloud watcher")
-            return [], "provider none (auto: no metadata service answered)"
-        provider = found
-        detail = f"provider {provider} (auto-detected)"
-        log.info("triggers: detected %s", provider)
-    watchers: list[Watcher] = []
-    if provider == "aws":
-        watchers.append(
-            AwsImdsWatcher(
-                cfg.aws_imds_url,
-                poll_interval=cfg.poll_interval,
-                timeout=cfg.http_timeout,
-                watch_rebalance=cfg.aws_rebalance,
+        if key not in types:
+            raise InvalidArgument(
+                f"[{table}] unknown key {key!r}; known keys: {', '.join(sorted(types))}"
             )
-        )
-    elif provider == "gcp":
-        watchers.append(
-            GcpMetadataWatcher(
-                cfg.gcp_metadata_url,
-                "preempted",
-                wait_timeout_s=cfg.gcp_wait_timeout,
-                preempt_notice_s=cfg.preempt_notice,
-            )
-        )
-        if cfg.gcp_maintenance:
-            watchers.append(
-                GcpMetadataWatcher(
-                    cfg.gcp_metadata_url, "maintenance-event", wait_timeout_s=cfg.gcp_wait_timeout
-                )
-            )
-    elif provider == "azure":
-        watchers.append(
-            AzureScheduledEventsWatcher(
-                cfg.azure_metadata_url,
-                poll_interval=cfg.azure_poll_interval,
-                timeout=cfg.http_timeout,
-                default_notice_s=cfg.preempt_notice,
-            )
-        )
-    return watchers, detail
+        check = checks.get(key) or _BY_TYPE[types[key]]
+        values[key] = check(f"[{table}] {key}", value)
+    return cls(**values)
+
+
+def parse_triggers(data: Mapping[str, Any]) -> TriggersConfig:
+    """Validate the ``[triggers]`` table (a parsed TOML mapping) strictly."""
+    urls = {k: _url for k in ("aws_imds_url", "gcp_metadata_url", "azure_metadata_url")}
+    return _parse_table("triggers", TriggersConfig, data, {"provider": _provider, **urls})
+
+
+def parse_migration(data: Mapping[str, Any]) -> MigrationConfig:
+    """Validate the ``[migration]`` table strictly (unknown keys are errors)."""
+    return _parse_table("migration", MigrationConfig, data, {"node_id": _word})
+
+
+def parse_workload_policy(workload: str, table: Mapping[str, Any]) -> WorkloadPolicy:
+    """Read the ``POLICY_KEYS`` of a workload's config table (other keys are not ours)."""
+    where = f"[workloads.{workload}]"
+    on_notice = table.get("on_notice", "checkpoint")
+    if on_notice not in ("checkpoint", "none"):
+        raise InvalidArgument(f"{where} on_notice must be 'checkpoint' or 'none'")
+    interval = table.get("checkpoint_interval")
+    if interval is not None and (
+        isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0
+    ):
+        raise InvalidArgument(f"{where} checkpoint_interval must be a number of seconds > 0")
+    on_rebalance = table.get("checkpoint_on_rebalance", True)
+    if not isinstance(on_rebalance, bool):
+        raise InvalidArgument(f"{where} checkpoint_on_rebalance must be true or false")
+    return WorkloadPolicy(
+        workload,
+        on_notice,
+        float(interval) if interval is not None else None,
+        on_rebalance,
+    )

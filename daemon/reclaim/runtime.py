@@ -1,38 +1,39 @@
-"""Plugs triggers, policy, logind and the migration board into the running daemon.
+"""``ReclaimRuntime``: watchers, policy, logind and the migration board, running in one daemon.
 
-``gpusnap.daemon.main`` calls ``start_triggers(service, config)`` after the service is up and
-attaches what it returns (``service.attach_triggers``); the service then calls ``status``,
-``migrations``, ``drill`` and, at stop, ``stop``. Everything the trigger code needs from the
-service goes through ``ServiceRunner`` (the policy's ``CheckpointRunner``) and two callables
-for the standby loop (``service.compat``, ``service.restore`` + ``service.wait_job``).
+The daemon builds it from itself (as a ``NodeDaemon``, ``reclaim/node.py``, which
+``DaemonService`` satisfies as it is) and its typed config, calls ``start()``, holds it, and
+calls ``status``, ``migrations``, ``drill`` and, at stop, ``stop``.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any
 
 from gpusnap.daemon import sdnotify
-from gpusnap.daemon.model import CompatVerdict, Job
+from gpusnap.daemon.model import Job
 from gpusnap.daemon.reclaim.board import (
     MigrationBoard,
     MigrationClaim,
-    MigrationConfig,
     MigrationRequest,
-    StandbyLoop,
-    default_node_id,
-    parse_migration_config,
+    StoreRecords,
 )
-from gpusnap.daemon.reclaim.config import TriggersConfig, build_watchers, parse_triggers_config
-from gpusnap.daemon.reclaim.manager import Notice, TriggerManager
-from gpusnap.daemon.reclaim.policy import PolicyEngine, drill_notice, parse_workload_policy
+from gpusnap.daemon.reclaim.config import MigrationConfig, TriggersConfig, WorkloadPolicy
+from gpusnap.daemon.reclaim.manager import TriggerManager
+from gpusnap.daemon.reclaim.node import NodeDaemon
+from gpusnap.daemon.reclaim.notice import Notice, drill_notice
+from gpusnap.daemon.reclaim.policy import PolicyEngine
+from gpusnap.daemon.reclaim.providers import build_watchers
 from gpusnap.daemon.reclaim.shutdown import (
     LogindInhibitor,
     StopTimeoutExtender,
     sigterm_notice,
     system_is_stopping,
 )
+from gpusnap.daemon.reclaim.standby import StandbyLoop
 from gpusnap.errors import FailedPrecondition, GpusnapError
 
 log = logging.getLogger(__name__)
@@ -41,84 +42,35 @@ DRILL_DEFAULT_DEADLINE_S = 120.0
 STOP_RECLAIM_BUDGET_S = 120.0  # how long stop waits for a reclaim checkpoint
 
 
-class Service(Protocol):
-    """The parts of ``DaemonService`` used here."""
+class ReclaimRuntime:
+    """The daemon's handle on triggers, policy and migration.
 
-    config: Any
-    store: Any  # StoreHandle: .get() -> CheckpointStore
-
-    def checkpoint(
-        self,
-        *,
-        workload: str | None = None,
-        leave_running: bool = False,
-        trigger: str = "operator",
-        deadline: float | None = None,
-        compress: bool | None = None,
-    ) -> Job: ...
-
-    def restore(self, *, checkpoint_id: str | None = None) -> Job: ...
-
-    def compat(self, checkpoint_id: str) -> CompatVerdict: ...
-
-    def wait_job(self, job_id: str, timeout: float) -> Job: ...
-
-    def cancel_job(self, job_id: str) -> Job: ...
-
-    def get_job(self, job_id: str) -> Job: ...
-
-
-class ServiceRunner:
-    """The policy's ``CheckpointRunner`` over the daemon service."""
-
-    def __init__(self, service: Service) -> None:
-        self._service = service
-
-    def checkpoint(
-        self,
-        *,
-        workload: str,
-        leave_running: bool,
-        trigger: str,
-        deadline: float | None,
-        compress: bool,
-    ) -> Job:
-        return self._service.checkpoint(
-            workload=workload,
-            leave_running=leave_running,
-            trigger=trigger,
-            deadline=deadline,
-            compress=compress,
-        )
-
-    def wait_job(self, job_id: str, timeout: float) -> Job:
-        return self._service.wait_job(job_id, timeout)
-
-    def cancel_job(self, job_id: str) -> None:
-        self._service.cancel_job(job_id)
-
-
-class TriggersRuntime:
-    """What ``start_triggers`` returns: the service's handle on triggers and migration."""
+    ``policies``: one per configured workload; ``daemon_node_id``: ``[daemon] node_id``;
+    ``store_verifies``: ``[store] verify`` (a standby never adopts from a store it does not
+    authenticate). Nothing runs until ``start()``.
+    """
 
     def __init__(
         self,
-        service: Service,
-        tcfg: TriggersConfig,
-        mcfg: MigrationConfig,
+        node: NodeDaemon,
+        triggers: TriggersConfig,
+        migration: MigrationConfig,
+        policies: Iterable[WorkloadPolicy],
+        *,
+        daemon_node_id: str | None,
+        store_verifies: bool,
     ) -> None:
-        self._service = service
-        self.tcfg = tcfg
-        self.mcfg = mcfg
+        self._node = node
+        self.tcfg = triggers
+        self.mcfg = migration
+        self._store_verifies = store_verifies
         # [migration] node_id, else the daemon's own node_id, else the host name: two
         # daemons on one host (or a renamed node) must not take each other for themselves.
-        daemon_id = getattr(getattr(service.config, "daemon", None), "node_id", None)
-        self.node_id = mcfg.node_id or daemon_id or default_node_id()
-        policies = [parse_workload_policy(w.name, w.policy) for w in service.config.workloads]
-        self.engine = PolicyEngine(ServiceRunner(service), policies, on_committed=self._publish)
-        watchers, detail = build_watchers(tcfg)
+        self.node_id = migration.node_id or daemon_node_id or socket.gethostname()
+        self.engine = PolicyEngine(node, policies, on_committed=self._publish)
+        watchers, detail = build_watchers(triggers)
         self.manager = TriggerManager(
-            watchers, self.engine.on_notice, max_backoff=tcfg.max_backoff, detail=detail
+            watchers, self.engine.on_notice, max_backoff=triggers.max_backoff, detail=detail
         )
         self.inhibitor: LogindInhibitor | None = None
         self.logind_error: str | None = None
@@ -132,10 +84,8 @@ class TriggersRuntime:
     def board(self) -> MigrationBoard:
         with self._board_lock:
             if self._board is None:
-                store = self._service.store.get()
-                self._board = MigrationBoard(
-                    store.backend, store, claim_timeout_s=self.mcfg.claim_timeout
-                )
+                records = StoreRecords(self._node.store.get())
+                self._board = MigrationBoard(records, claim_timeout_s=self.mcfg.claim_timeout)
             return self._board
 
     def _publish(self, notice: Notice, job: Job) -> None:
@@ -147,7 +97,7 @@ class TriggersRuntime:
             return
         summary: dict[str, Any] = {"trigger": notice.trigger, "notice": notice.detail}
         try:
-            summary["stamp"] = self._service.store.get().manifest(cid).stamp
+            summary["stamp"] = self._node.store.get().manifest(cid).stamp
         except GpusnapError as exc:
             log.warning("%s: stamp not read for the migration request: %s", cid, exc)
         self.board().publish(cid, job.workload, self.node_id, summary, deadline=notice.deadline)
@@ -155,6 +105,8 @@ class TriggersRuntime:
     # --- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the watchers, the periodic scheduler, logind's lock and (``standby = true``)
+        the standby loop."""
         self.manager.start()
         self.engine.start()
         if self.tcfg.logind:
@@ -165,7 +117,7 @@ class TriggersRuntime:
             except GpusnapError as exc:
                 self.logind_error = str(exc)
                 log.info("logind shutdown lock not taken: %s", exc)
-        if self.mcfg.standby and not self._store_verifies():
+        if self.mcfg.standby and not self._store_verifies:
             # A standby acts on what the store says (restore, or cold-start a launch spec as
             # root): never on records and manifests it cannot authenticate.
             log.error(
@@ -174,10 +126,6 @@ class TriggersRuntime:
             )
         elif self.mcfg.standby:
             threading.Thread(target=self._start_standby, name="standby-start", daemon=True).start()
-
-    def _store_verifies(self) -> bool:
-        store = getattr(self._service.config, "store", None)
-        return bool(getattr(store, "verify", True))
 
     def _start_standby(self) -> None:
         while not self._stop.is_set():
@@ -190,7 +138,7 @@ class TriggersRuntime:
             self.standby = StandbyLoop(
                 board,
                 self.node_id,
-                self._service.compat,
+                self._node.compat,
                 self._restore,
                 cold_start_after_s=self.mcfg.cold_start_after,
                 poll_interval_s=self.mcfg.poll_interval,
@@ -200,8 +148,8 @@ class TriggersRuntime:
             return
 
     def _restore(self, req: MigrationRequest, claim: MigrationClaim) -> Job:
-        job = self._service.restore(checkpoint_id=req.checkpoint_id)
-        return self._service.wait_job(job.id, self.mcfg.claim_timeout)
+        job = self._node.restore(checkpoint_id=req.checkpoint_id)
+        return self._node.wait_job(job.id, self.mcfg.claim_timeout)
 
     def stop(self) -> None:
         """At daemon stop: if the node is going down, checkpoint first (kill mode)."""
@@ -220,9 +168,10 @@ class TriggersRuntime:
         if self.inhibitor is not None:
             self.inhibitor.close()
 
-    # --- what the service shows ---------------------------------------------------------------
+    # --- what the daemon shows ----------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """What ``gpusnap triggers`` shows (its ``--json`` keys)."""
         out = self.manager.state_dict()
         out.update(
             {
@@ -249,9 +198,12 @@ class TriggersRuntime:
         return ",".join(sorted(providers)) or "none"
 
     def migrations(self) -> list[dict[str, Any]]:
+        """Every migration on the board, as ``gpusnap migrations`` shows it."""
         return [s.to_dict() for s in self.board().statuses()]
 
     def drill(self, deadline_s: float | None) -> Job:
+        """Run the reclaim path as if a notice with ``deadline_s`` left had arrived; the
+        first reclaim job it started or attached to."""
         notice = drill_notice(DRILL_DEFAULT_DEADLINE_S if deadline_s is None else deadline_s)
         self.manager.submit(notice)
         ids = self.engine.jobs_for(notice, timeout=30.0)
@@ -260,17 +212,5 @@ class TriggersRuntime:
                 "drill started no checkpoint: no workload has on_notice = checkpoint, "
                 "or every one is already reclaimed"
             )
-        return self._service.get_job(ids[0])
+        return self._node.get_job(ids[0])
 
-
-def start_triggers(service: Any, config: Any) -> TriggersRuntime:
-    """Build and start triggers, policy, logind and (``standby = true``) the standby loop."""
-    tcfg = config.triggers
-    if not isinstance(tcfg, TriggersConfig):
-        tcfg = parse_triggers_config(tcfg or {})
-    mcfg = config.migration
-    if not isinstance(mcfg, MigrationConfig):
-        mcfg = parse_migration_config(mcfg or {})
-    runtime = TriggersRuntime(service, tcfg, mcfg)
-    runtime.start()
-    return runtime

@@ -12,7 +12,8 @@ import pytest
 from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
 from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
 from gpusnap.daemon.reclaim.gcp import GcpMetadataWatcher
-from gpusnap.daemon.reclaim.manager import Notice, TriggerManager, Watcher
+from gpusnap.daemon.reclaim.manager import TriggerManager, Watcher
+from gpusnap.daemon.reclaim.notice import Notice
 from gpusnap.errors import Corrupt, NotFound, Unavailable
 from tests.support.metadata_servers import (
     AwsImdsServer,
@@ -56,8 +57,8 @@ def test_aws_no_notice_is_404_and_uses_a_token(aws: AwsImdsServer) -> None:
         "/latest/meta-data/spot/instance-action",
         "/latest/meta-data/events/recommendations/rebalance",
     }
-    assert all(g.headers["x-aws-ec2-metadata-token"] == puts[0].body.decode() or True for g in gets)
-    assert all(g.headers["x-aws-ec2-metadata-token"].startswith("AQAE") for g in gets)
+    # Both GETs carry the one token the PUT was answered with (the body of its reply).
+    assert [g.headers["x-aws-ec2-metadata-token"] for g in gets] == aws.issued * 2
 
 
 def test_aws_instance_action_gives_a_reclaim_with_the_notice_time(aws: AwsImdsServer) -> None:
@@ -100,8 +101,10 @@ def test_aws_refetches_the_token_on_401(aws: AwsImdsServer) -> None:
     notices = w.poll()
     assert [n.kind for n in notices] == ["reclaim"]
     assert len(aws.requests_to("/latest/api/token", "PUT")) == 2
-    statuses_401 = [r for r in aws.requests_to("/latest/meta-data/spot/instance-action")]
-    assert len(statuses_401) == 3  # first poll, the 401, the retry
+    asks = aws.requests_to("/latest/meta-data/spot/instance-action")
+    # The first poll and the one answered 401 carry the old token; the retry, the new one.
+    old, new = aws.issued
+    assert [r.headers["x-aws-ec2-metadata-token"] for r in asks] == [old, old, new]
 
 
 def test_aws_refreshes_the_token_before_it_expires(aws: AwsImdsServer) -> None:

@@ -28,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+LOOPBACK = "127.0.0.1"
+
 
 @dataclass
 class Recorded:
@@ -114,14 +116,13 @@ class MetadataServer:
         self.flap_mode = "garbage"
         self._flap_rng = random.Random(1234)  # seeded: a flapping run is reproducible
         self.stopping = threading.Event()
-        self._httpd = _Server(("127.0.0.1", 0), _Handler)
+        self._httpd = _Server((LOOPBACK, 0), _Handler)
         self._httpd.owner = self
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{LOOPBACK}:{self._httpd.server_port}"
 
     def start(self) -> MetadataServer:
         self._thread.start()
@@ -161,6 +162,7 @@ class AwsImdsServer(MetadataServer):
     def __init__(self) -> None:
         super().__init__()
         self.tokens: dict[str, float] = {}  # token -> monotonic expiry
+        self.issued: list[str] = []  # every token handed out, in order (expired ones too)
         self.instance_action: dict[str, str] | None = None
         self.rebalance: dict[str, str] | None = None
 
@@ -192,6 +194,7 @@ class AwsImdsServer(MetadataServer):
                     return 400, b"Bad Request", {}
                 token = "AQAE" + uuid.uuid4().hex
                 self.tokens[token] = time.monotonic() + ttl
+                self.issued.append(token)
                 return 200, token.encode(), {"X-Aws-Ec2-Metadata-Token-Ttl-Seconds": str(ttl)}
             if rec.method != "GET":
                 return 405, b"", {}
