@@ -85,17 +85,23 @@ class SignedRecords(Protocol):
 
 class StoreRecords:
     """``SignedRecords`` over a ``CheckpointStore``: raw keys of its backend, sealed and opened
-    with its ``sign``/``open_signed``. The one place the board touches the store."""
+    with its ``sign``/``open_signed``. The one place the board touches the store.
 
-    def __init__(self, store: CheckpointStore) -> None:
+    ``store`` opens the store (the daemon's handle: at once, or ``Unavailable`` while it is
+    unreachable), so a board exists before its store answers and each call finds it again.
+    """
+
+    def __init__(self, store: Callable[[], CheckpointStore]) -> None:
         self._store = store
 
     def put_if_absent(self, key: str, doc: Mapping[str, Any]) -> None:
         payload = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        self._store.backend.put(key, self._store.sign(payload), if_absent=True)
+        store = self._store()
+        store.backend.put(key, store.sign(payload), if_absent=True)
 
     def get(self, key: str) -> dict[str, Any]:
-        payload = self._store.open_signed(self._store.backend.get(key))
+        store = self._store()
+        payload = store.open_signed(store.backend.get(key))
         try:
             doc = json.loads(payload)
         except ValueError as exc:
@@ -105,10 +111,10 @@ class StoreRecords:
         return doc
 
     def list(self, prefix: str) -> list[str]:
-        return [info.key for info in self._store.backend.list(prefix)]
+        return [info.key for info in self._store().backend.list(prefix)]
 
     def delete(self, key: str) -> None:
-        self._store.backend.delete(key)
+        self._store().backend.delete(key)
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -117,12 +123,12 @@ class StoreRecords:
 @dataclass(frozen=True)
 class _Record:
     KIND: ClassVar[str]  # "request" | "claim" | "outcome": the record's format name
+    checkpoint_id: str  # every record is about one checkpoint: the one of its folder
 
 
 @dataclass(frozen=True)
 class MigrationRequest(_Record):
     KIND = "request"
-    checkpoint_id: str
     workload: str
     source_node: str
     created_at: float
@@ -133,7 +139,6 @@ class MigrationRequest(_Record):
 @dataclass(frozen=True)
 class MigrationClaim(_Record):
     KIND = "claim"
-    checkpoint_id: str
     node_id: str
     mode: ClaimMode
     attempt: int
@@ -145,7 +150,6 @@ class MigrationClaim(_Record):
 @dataclass(frozen=True)
 class MigrationOutcome(_Record):
     KIND = "outcome"
-    checkpoint_id: str
     node_id: str
     state: OutcomeState
     mode: str  # "restored" | "cold-start" | "" when it failed before knowing

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -75,18 +74,11 @@ class ReclaimRuntime:
         self.inhibitor: LogindInhibitor | None = None
         self.logind_error: str | None = None
         self.standby: StandbyLoop | None = None
-        self._stop = threading.Event()
-        self._board: MigrationBoard | None = None
-        self._board_lock = threading.Lock()
-
-    # --- the store's migration board, opened when the store is reachable -----------------------
-
-    def board(self) -> MigrationBoard:
-        with self._board_lock:
-            if self._board is None:
-                records = StoreRecords(self._node.store.get())
-                self._board = MigrationBoard(records, claim_timeout_s=self.mcfg.claim_timeout)
-            return self._board
+        # Each look at the board finds the store again: ``Unavailable`` while it is not
+        # reachable (at start too), and the board there again once it is.
+        self.board = MigrationBoard(
+            StoreRecords(node.store.get), claim_timeout_s=migration.claim_timeout
+        )
 
     def _publish(self, notice: Notice, job: Job) -> None:
         cid = job.result.get("checkpoint_id")
@@ -100,7 +92,7 @@ class ReclaimRuntime:
             summary["stamp"] = self._node.store.get().manifest(cid).stamp
         except GpusnapError as exc:
             log.warning("%s: stamp not read for the migration request: %s", cid, exc)
-        self.board().publish(cid, job.workload, self.node_id, summary, deadline=notice.deadline)
+        self.board.publish(cid, job.workload, self.node_id, summary, deadline=notice.deadline)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -125,18 +117,8 @@ class ReclaimRuntime:
                 "does not adopt workloads from a store it does not authenticate"
             )
         elif self.mcfg.standby:
-            threading.Thread(target=self._start_standby, name="standby-start", daemon=True).start()
-
-    def _start_standby(self) -> None:
-        while not self._stop.is_set():
-            try:
-                board = self.board()
-            except GpusnapError as exc:
-                log.warning("migration standby waits for the store: %s", exc)
-                self._stop.wait(self.mcfg.poll_interval)
-                continue
             self.standby = StandbyLoop(
-                board,
+                self.board,
                 self.node_id,
                 self._node.compat,
                 self._restore,
@@ -145,7 +127,6 @@ class ReclaimRuntime:
             )
             self.standby.start()
             log.info("migration standby on as node %s", self.node_id)
-            return
 
     def _restore(self, req: MigrationRequest, claim: MigrationClaim) -> Job:
         job = self._node.restore(checkpoint_id=req.checkpoint_id)
@@ -153,7 +134,6 @@ class ReclaimRuntime:
 
     def stop(self) -> None:
         """At daemon stop: if the node is going down, checkpoint first (kill mode)."""
-        self._stop.set()
         if system_is_stopping():
             self.manager.submit(sigterm_notice(STOP_RECLAIM_BUDGET_S))
         if self.engine.reclaim_in_flight():
@@ -186,7 +166,9 @@ class ReclaimRuntime:
                 },
                 "standby": {
                     "enabled": self.mcfg.standby,
-                    "running": self.standby is not None,
+                    # Running once it has read the board: until the store first answers it
+                    # is not, and ``last_error`` says why.
+                    "running": self.standby is not None and self.standby.has_looked,
                     "last_error": self.standby.last_error if self.standby else None,
                 },
             }
@@ -199,7 +181,7 @@ class ReclaimRuntime:
 
     def migrations(self) -> list[dict[str, Any]]:
         """Every migration on the board, as ``gpusnap migrations`` shows it."""
-        return [s.to_dict() for s in self.board().statuses()]
+        return [s.to_dict() for s in self.board.statuses()]
 
     def drill(self, deadline_s: float | None) -> Job:
         """Run the reclaim path as if a notice with ``deadline_s`` left had arrived; the
@@ -213,4 +195,3 @@ class ReclaimRuntime:
                 "or every one is already reclaimed"
             )
         return self._node.get_job(ids[0])
-

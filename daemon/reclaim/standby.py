@@ -56,6 +56,7 @@ class StandbyLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
+        self.has_looked = False  # a look at the board has succeeded (the store answered)
         # Outcomes of restores this node ran that the store has not taken yet (unreachable
         # when the job ended): retried first at every tick. Until one lands the claim stays
         # live, and a claim left without its outcome would be taken over after the claim
@@ -98,7 +99,9 @@ class StandbyLoop:
     def tick(self) -> list[MigrationOutcome]:
         """One look at the board; returns the outcomes this node recorded."""
         done = self._record_unrecorded()
-        for req in self.board.pending():
+        pending = self.board.pending()
+        self.has_looked = True
+        for req in pending:
             if self._stop.is_set():
                 break
             if req.source_node == self.node_id:

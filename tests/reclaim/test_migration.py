@@ -41,7 +41,7 @@ class Clock:
 
 
 def board(store: CheckpointStore, clock: Clock | None = None, **kw: float) -> MigrationBoard:
-    return MigrationBoard(StoreRecords(store), clock=clock or time.time, **kw)
+    return MigrationBoard(StoreRecords(lambda: store), clock=clock or time.time, **kw)
 
 
 def test_publish_pending_claim_outcome(store: CheckpointStore) -> None:
@@ -123,7 +123,7 @@ from tests.reclaim.conftest import StoreSpec
 from gpusnap.daemon.reclaim.board import MigrationBoard, StoreRecords
 spec = StoreSpec({url!r}, Path({key!r}), {endpoint!r})
 store = spec.open(Path({cache!r}))
-board = MigrationBoard(StoreRecords(store))
+board = MigrationBoard(StoreRecords(lambda: store))
 go = Path({go!r})
 end = time.monotonic() + 30
 while not go.exists() and time.monotonic() < end:
@@ -276,7 +276,7 @@ class OutcomePutFails(StoreRecords):
     """The store's records, except that the first ``times`` puts of an outcome fail."""
 
     def __init__(self, store: CheckpointStore, times: int) -> None:
-        super().__init__(store)
+        super().__init__(lambda: store)
         self.times = times
 
     def put_if_absent(self, key: str, doc: Mapping[str, Any]) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,25 @@ def test_drill_without_checkpoint_workloads_is_refused(file_store: CheckpointSto
     with running(node, NO_CLOUD, MigrationConfig(), batch) as runtime:
         with pytest.raises(FailedPrecondition, match="drill started no checkpoint"):
             runtime.drill(10)
+
+
+def test_a_standby_whose_store_is_unreachable_at_start_runs_once_it_answers(
+    file_store: CheckpointStore,
+) -> None:
+    node = FakeNode()  # its store handle has no store yet: Unavailable
+    standby = MigrationConfig(standby=True, poll_interval=0.05)
+    with running(node, NO_CLOUD, standby) as runtime:
+
+        def standby_state() -> dict[str, Any]:
+            state: dict[str, Any] = runtime.status()["standby"]
+            return state
+
+        end = time.monotonic() + 10
+        while time.monotonic() < end and standby_state()["last_error"] is None:
+            time.sleep(0.02)
+        assert standby_state()["running"] is False
+        assert "no store" in standby_state()["last_error"]
+        node.store_handle.store = file_store  # the store answers now
+        while time.monotonic() < end + 10 and not standby_state()["running"]:
+            time.sleep(0.02)
+        assert standby_state() == {"enabled": True, "running": True, "last_error": None}

@@ -16,6 +16,7 @@ from gpusnap.daemon.reclaim.manager import TriggerManager, Watcher
 from gpusnap.daemon.reclaim.notice import Notice
 from gpusnap.errors import Corrupt, NotFound, Unavailable
 from tests.support.metadata_servers import (
+    SERVERS,
     AwsImdsServer,
     AzureEventsServer,
     GcpMetadataServer,
@@ -242,9 +243,6 @@ def _watchers(name: str, url: str, timeout: float) -> Watcher:
     return AzureScheduledEventsWatcher(url, timeout=timeout, poll_interval=0.05)
 
 
-SERVERS = {"aws": AwsImdsServer, "gcp": GcpMetadataServer, "azure": AzureEventsServer}
-
-
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
 @pytest.mark.parametrize("mode", ["drop", "slow", "garbage", "error"])
 def test_misbehaving_service_reports_error_and_no_notice(provider: str, mode: str) -> None:
@@ -274,12 +272,7 @@ def test_service_that_is_down_reports_unavailable(provider: str) -> None:
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
 def test_flapping_service_with_a_notice_delivers_it_once(provider: str) -> None:
     with SERVERS[provider]() as server:
-        if isinstance(server, AwsImdsServer):
-            server.announce_reclaim()
-        elif isinstance(server, GcpMetadataServer):
-            server.preempt()
-        else:
-            server.schedule("Preempt")
+        server.reclaim()
         server.flap = True
         got: list[Notice] = []
         lock = threading.Lock()

@@ -151,6 +151,12 @@ class MetadataServer:
     def respond(self, rec: Recorded) -> tuple[int, bytes, dict[str, str]]:
         raise NotImplementedError
 
+    def reclaim(self, at: float | None = None) -> float | None:
+        """Announce that the platform takes the VM back at ``at`` (default: its usual notice),
+        the provider's way; the deadline the notice carries, ``None`` where the protocol
+        carries none (GCP: the daemon's ``preempt_notice`` applies)."""
+        raise NotImplementedError
+
 
 def iso_z(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -171,6 +177,9 @@ class AwsImdsServer(MetadataServer):
         with self.lock:
             self.instance_action = {"action": action, "time": iso_z(at)}
         return float(int(at))
+
+    def reclaim(self, at: float | None = None) -> float:
+        return self.announce_reclaim("terminate", at)
 
     def recommend_rebalance(self, at: float | None = None) -> None:
         with self.lock:
@@ -235,6 +244,9 @@ class GcpMetadataServer(MetadataServer):
     def preempt(self) -> None:
         self.set("preempted", "TRUE")
 
+    def reclaim(self, at: float | None = None) -> None:
+        self.preempt()  # preemption says no time: the VM has about 30 s
+
     def respond(self, rec: Recorded) -> tuple[int, bytes, dict[str, str]]:
         flavor = {"Metadata-Flavor": "Google"} if self.send_flavor else {}
         if rec.headers.get("metadata-flavor") != "Google":
@@ -297,6 +309,11 @@ class AzureEventsServer(MetadataServer):
             self.incarnation += 1
         return eid
 
+    def reclaim(self, at: float | None = None) -> float:
+        nb = time.time() + 30 if at is None else at
+        self.schedule("Preempt", not_before=nb)
+        return float(int(nb))  # NotBefore is written to the second
+
     def respond(self, rec: Recorded) -> tuple[int, bytes, dict[str, str]]:
         if rec.headers.get("metadata") != "true":
             return 400, b'{"error": "Bad request. Required metadata header not specified"}', {}
@@ -323,6 +340,13 @@ class AzureEventsServer(MetadataServer):
                 doc = {"compute": {"name": self.vm_name, "azEnvironment": "AzurePublicCloud"}}
                 return 200, json.dumps(doc).encode(), {}
             return 404, b"Not Found", {}
+
+
+SERVERS: dict[str, type[MetadataServer]] = {
+    "aws": AwsImdsServer,
+    "gcp": GcpMetadataServer,
+    "azure": AzureEventsServer,
+}
 
 
 def dead_url() -> str:
