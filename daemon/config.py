@@ -5,7 +5,7 @@ whose one-line message names the key (and suggests the closest known one), and t
 refuses to start with it. ``docs/config.md`` documents the same keys.
 
 The ``[triggers]`` and ``[migration]`` sections belong to the trigger and migration code; when
-that code offers ``parse_triggers_config`` / ``parse_migration_config`` they are parsed by it,
+that code offers ``parse_triggers`` / ``parse_migration`` they are parsed by it,
 otherwise they are kept as raw tables.
 """
 

@@ -10,7 +10,7 @@ checkpoints find a new node through the store.
   ``standby``: the loop that adopts reclaimed workloads.
 - ``config``: the typed ``[triggers]``, ``[migration]`` and per-workload policy tables;
   ``node``: ``NodeDaemon``, all reclaim needs of the daemon; ``runtime``: ``ReclaimRuntime``,
-  everything above running in one daemon (``start_reclaim``).
+  everything above running in one daemon.
 
 May import ``gpusnap.errors``, ``gpusnap.storage``, ``gpusnap.daemon.model`` (jobs, verdicts)
 and ``gpusnap.daemon.sdnotify``; never the service, the gRPC layer, the daemon's config or the
