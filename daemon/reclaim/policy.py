@@ -57,6 +57,11 @@ class _Reclaim:
     job_id: str | None = None
     notices: set[tuple[str, str, str]] = field(default_factory=set)  # keys attached
 
+    @property
+    def holds(self) -> bool:
+        """The workload is this reclaim's: its checkpoint runs, or committed (it left)."""
+        return not self.done.is_set() or self.committed
+
 
 @dataclass
 class _Background:
@@ -170,7 +175,7 @@ class PolicyEngine:
                     log.info("%s: on_notice=none; not checkpointing on %s", p.workload, notice.kind)
                     continue
                 existing = self._reclaims.get(p.workload)
-                if existing is not None and (not existing.done.is_set() or existing.committed):
+                if existing is not None and existing.holds:
                     log.info(
                         "%s: already reclaimed by %s; %s attaches to it",
                         p.workload,
@@ -343,11 +348,8 @@ class PolicyEngine:
 
     def _start_background(self, workload: str, purpose: str, trigger: str) -> bool:
         with self._lock:
-            if workload in self._reclaims and (
-                not self._reclaims[workload].done.is_set() or self._reclaims[workload].committed
-            ):
-                return False
-            if workload in self._background:
+            reclaim = self._reclaims.get(workload)
+            if (reclaim is not None and reclaim.holds) or workload in self._background:
                 return False
             if purpose == "periodic":
                 self._last_periodic[workload] = self._clock()
