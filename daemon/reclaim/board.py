@@ -24,14 +24,14 @@ request is then pending again and the next claim uses the next attempt number â€
 only way two nodes can both act on one checkpoint, and it needs the first to have gone silent
 for the whole timeout.
 
-The board reaches the store through one small seam, ``SignedRecords`` (put-if-absent, get,
-list and delete of signed records), implemented by ``StoreRecords`` over the store's backend
-and its ``sign``/``open_signed``. Standby nodes read the board in ``reclaim/standby.py``.
+The board reaches the store through one small seam, ``BoardRecords`` (create-if-absent, read,
+list and delete of signed records), implemented by ``StoreRecords`` over the store's signed
+records under ``layout.MIGRATION_PREFIX`` (``storage/records.py``): no raw backend keys.
+Standby nodes read the board in ``reclaim/standby.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
@@ -50,12 +50,13 @@ from gpusnap.errors import (
     InvalidArgument,
     NotFound,
 )
+from gpusnap.storage.layout import MIGRATION_PREFIX
 from gpusnap.storage.manifest import check_checkpoint_id
+from gpusnap.storage.records import SignedRecords
 from gpusnap.storage.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-PREFIX = "migrations/"  # the store's reserved prefix for the board
 RECORD_VERSION = 1
 ClaimMode = Literal["restore", "cold-start"]
 OutcomeState = Literal["succeeded", "failed"]
@@ -64,57 +65,56 @@ OutcomeState = Literal["succeeded", "failed"]
 # --- the seam to the store ----------------------------------------------------------------------
 
 
-class SignedRecords(Protocol):
-    """The board's whole use of the store: small JSON records sealed with the store's key."""
+class BoardRecords(Protocol):
+    """The board's whole use of the store: the signed records under the store's migration
+    prefix (``storage/records.py``'s ``SignedRecords`` has this shape), by name
+    (``<checkpoint id>/request``, ``<checkpoint id>/claim-NNNN``, ``<checkpoint id>/outcome``)."""
 
-    def put_if_absent(self, key: str, doc: Mapping[str, Any]) -> None:
-        """Write ``doc`` at ``key`` once; ``AlreadyExists`` if anything is there."""
+    def key(self, name: str) -> str:
+        """The store key of record ``name`` (for messages)."""
         ...
 
-    def get(self, key: str) -> dict[str, Any]:
-        """The record at ``key``, authenticated: ``NotFound``, or ``Corrupt`` when it does not
-        open with the store's key or is not a JSON object."""
+    def create(self, name: str, record: Mapping[str, Any]) -> None:
+        """Write ``record`` once; ``AlreadyExists`` if anything is there."""
         ...
 
-    def list(self, prefix: str) -> list[str]:
-        """The keys under ``prefix`` (records or not)."""
+    def read(self, name: str) -> dict[str, Any]:
+        """The record, authenticated: ``NotFound``, or ``Corrupt`` when it does not open with
+        the store's key or is not a JSON object."""
         ...
 
-    def delete(self, key: str) -> None: ...
+    def names(self, under: str = "") -> list[str]:
+        """The names of the records (valid or not)."""
+        ...
+
+    def delete(self, name: str) -> None: ...
 
 
 class StoreRecords:
-    """``SignedRecords`` over a ``CheckpointStore``: raw keys of its backend, sealed and opened
-    with its ``sign``/``open_signed``. The one place the board touches the store.
-
-    ``store`` opens the store (the daemon's handle: at once, or ``Unavailable`` while it is
-    unreachable), so a board exists before its store answers and each call finds it again.
-    """
+    """``BoardRecords`` over the daemon's store handle: ``store`` opens the store (at once, or
+    ``Unavailable`` while it is unreachable), so a board exists before its store answers and
+    each call finds it again. The one place the board touches the store."""
 
     def __init__(self, store: Callable[[], CheckpointStore]) -> None:
         self._store = store
 
-    def put_if_absent(self, key: str, doc: Mapping[str, Any]) -> None:
-        payload = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        store = self._store()
-        store.backend.put(key, store.sign(payload), if_absent=True)
+    def _records(self) -> SignedRecords:
+        return self._store().records(MIGRATION_PREFIX)
 
-    def get(self, key: str) -> dict[str, Any]:
-        store = self._store()
-        payload = store.open_signed(store.backend.get(key))
-        try:
-            doc = json.loads(payload)
-        except ValueError as exc:
-            raise Corrupt(f"migration record {key} is not JSON") from exc
-        if not isinstance(doc, dict):
-            raise Corrupt(f"migration record {key} is not a JSON object")
-        return doc
+    def key(self, name: str) -> str:
+        return f"{MIGRATION_PREFIX}{name}"
 
-    def list(self, prefix: str) -> list[str]:
-        return [info.key for info in self._store().backend.list(prefix)]
+    def create(self, name: str, record: Mapping[str, Any]) -> None:
+        self._records().create(name, record)
 
-    def delete(self, key: str) -> None:
-        self._store().backend.delete(key)
+    def read(self, name: str) -> dict[str, Any]:
+        return self._records().read(name)
+
+    def names(self, under: str = "") -> list[str]:
+        return self._records().names(under)
+
+    def delete(self, name: str) -> None:
+        self._records().delete(name)
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ class MigrationStatus:
 
 
 def _claim_key(checkpoint_id: str, attempt: int) -> str:
-    return f"{PREFIX}{checkpoint_id}/claim-{attempt:04d}"
+    return f"{checkpoint_id}/claim-{attempt:04d}"
 
 
 # At most 18 digits: an attempt number always fits, and a planted name cannot make one huge.
@@ -232,7 +232,7 @@ class MigrationBoard:
 
     def __init__(
         self,
-        records: SignedRecords,
+        records: BoardRecords,
         *,
         claim_timeout_s: float = 1800.0,
         clock: Callable[[], float] = time.time,
@@ -245,20 +245,20 @@ class MigrationBoard:
 
     def _write(self, key: str, record: _Record) -> None:
         fmt = f"gpusnap.migration.{record.KIND}/{RECORD_VERSION}"
-        self.records.put_if_absent(key, {"format": fmt, **asdict(record)})
+        self.records.create(key, {"format": fmt, **asdict(record)})
 
     def _read_as(self, key: str, cls: type[_R]) -> _R:
         """The record at ``key``, opened, checked and of the checkpoint of its folder;
         ``Corrupt`` (or ``NotFound``) otherwise."""
-        doc = self.records.get(key)
+        doc = self.records.read(key)
+        where = self.records.key(key)
         if doc.pop("format", None) != f"gpusnap.migration.{cls.KIND}/{RECORD_VERSION}":
-            raise Corrupt(f"migration record {key} is not a {cls.KIND} record")
-        folder = key[len(PREFIX) :].partition("/")[0]
-        _check_record(key, doc, folder, cls)
+            raise Corrupt(f"migration record {where} is not a {cls.KIND} record")
+        _check_record(where, doc, key.partition("/")[0], cls)
         try:
             return cls(**doc)
         except TypeError as exc:
-            raise Corrupt(f"migration record {key} has unexpected fields") from exc
+            raise Corrupt(f"migration record {where} has unexpected fields") from exc
 
     def _write_or_read(self, key: str, record: _R) -> _R | None:
         """Write ``record`` once at ``key``. ``None`` when ours landed; else the valid record
@@ -271,7 +271,11 @@ class MigrationBoard:
             try:
                 return self._read_as(key, type(record))
             except Corrupt as exc:
-                log.warning("replacing migration record %s, which does not hold: %s", key, exc)
+                log.warning(
+                    "replacing migration record %s, which does not hold: %s",
+                    self.records.key(key),
+                    exc,
+                )
                 self.records.delete(key)
                 self._write(key, record)
         return None
@@ -297,7 +301,7 @@ class MigrationBoard:
             deadline,
             dict(stamp_summary or {}),
         )
-        existing = self._write_or_read(f"{PREFIX}{checkpoint_id}/request", req)
+        existing = self._write_or_read(f"{checkpoint_id}/request", req)
         if existing is not None:
             log.info("migration request for %s already published", checkpoint_id)
             return existing
@@ -306,8 +310,7 @@ class MigrationBoard:
 
     def _folders(self) -> dict[str, set[str]]:
         folders: dict[str, set[str]] = {}
-        for key in self.records.list(PREFIX):
-            rest = key[len(PREFIX) :]
+        for rest in self.records.names():
             cid, sep, name = rest.partition("/")
             if sep and "/" not in name:
                 folders.setdefault(cid, set()).add(name)
@@ -316,7 +319,7 @@ class MigrationBoard:
     def _status(self, cid: str, names: set[str]) -> MigrationStatus:
         """The migration of ``cid`` as its valid records tell it. ``Corrupt``/``NotFound`` when
         the request itself does not hold; invalid claims and outcomes are ignored (logged)."""
-        req = self._read_as(f"{PREFIX}{cid}/request", MigrationRequest)
+        req = self._read_as(f"{cid}/request", MigrationRequest)
         claim: MigrationClaim | None = None
         for attempt in sorted(_claim_numbers(names), reverse=True):
             key = _claim_key(cid, attempt)
@@ -329,7 +332,7 @@ class MigrationBoard:
                 break
         outcome: MigrationOutcome | None = None
         if "outcome" in names:
-            outcome = self._valid(f"{PREFIX}{cid}/outcome", MigrationOutcome)
+            outcome = self._valid(f"{cid}/outcome", MigrationOutcome)
         stale = (
             outcome is None
             and claim is not None
@@ -430,13 +433,15 @@ class MigrationBoard:
             " ".join(detail.split()),
             job_id,
         )
-        key = f"{PREFIX}{claim.checkpoint_id}/outcome"
+        key = f"{claim.checkpoint_id}/outcome"
         held = self._write_or_read(key, outcome)
         if held is None:
             return outcome
         if held.node_id == claim.node_id and held.attempt == claim.attempt:
             return held  # a retried put whose first try landed
-        raise AlreadyExists(f"migration record {key} was already written by {held.node_id}")
+        raise AlreadyExists(
+            f"migration record {self.records.key(key)} was already written by {held.node_id}"
+        )
 
 
 def _claim_numbers(names: set[str]) -> list[int]:

@@ -279,11 +279,11 @@ class OutcomePutFails(StoreRecords):
         super().__init__(lambda: store)
         self.times = times
 
-    def put_if_absent(self, key: str, doc: Mapping[str, Any]) -> None:
-        if key.endswith("/outcome") and self.times > 0:
+    def create(self, name: str, record: Mapping[str, Any]) -> None:
+        if name.endswith("/outcome") and self.times > 0:
             self.times -= 1
             raise Unavailable("store unreachable: connection refused")
-        super().put_if_absent(key, doc)
+        super().create(name, record)
 
 
 def standby_whose_outcome_is_refused(
