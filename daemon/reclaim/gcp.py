@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Literal
 from urllib.parse import quote
 
-from gpusnap.daemon.triggers._http import request
-from gpusnap.daemon.triggers.base import Notice
+from gpusnap.daemon.reclaim._http import Endpoint
+from gpusnap.daemon.reclaim.notice import Notice, NoticeKind
 from gpusnap.errors import Corrupt, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,21 @@ class GcpMetadataWatcher:
             raise ValueError(f"unknown GCP metadata key {key!r}")
         self.key: GcpKey = key
         self.name = f"gcp:{key}"
-        self.base_url = base_url.rstrip("/")
         self.wait_timeout_s = wait_timeout_s
         self.http_margin_s = http_margin_s
-        self.preempt_notice_s = preempt_notice_s
-        self.maintenance_notice_s = maintenance_notice_s
+        self.metadata = Endpoint(base_url, wait_timeout_s + http_margin_s, {FLAVOR[0]: FLAVOR[1]})
+        # The value that means "the VM is going away", and the notice it gives.
+        self._going: tuple[str, NoticeKind, float, str] = (
+            ("TRUE", "reclaim", preempt_notice_s, "preempted")
+            if key == "preempted"
+            # The VM stops at the event, and so does the daemon: one per lifetime.
+            else (
+                "TERMINATE_ON_HOST_MAINTENANCE",
+                "maintenance",
+                maintenance_notice_s,
+                "terminate-on-host-maintenance",
+            )
+        )
         # A long poll paces itself; this floor only stops a server that ignores
         # wait_for_change from turning the loop into a busy one.
         self.poll_interval = min_poll_interval
@@ -70,18 +80,16 @@ class GcpMetadataWatcher:
         self.etag = "NONE"
         self.value: str | None = None
 
-    def _url(self) -> str:
+    def _path(self) -> str:
         return (
-            f"{self.base_url}{METADATA_PREFIX}{self.key}?wait_for_change=true"
+            f"{METADATA_PREFIX}{self.key}?wait_for_change=true"
             f"&timeout_sec={self.wait_timeout_s}&last_etag={quote(self.etag, safe='')}"
         )
 
     def poll(self) -> list[Notice]:
-        resp = request(
-            "GET",
-            self._url(),
-            headers={FLAVOR[0]: FLAVOR[1]},
-            timeout=self.wait_timeout_s + self.http_margin_s,
+        # The long poll may take its whole timeout_sec: the HTTP timeout is that plus a margin.
+        resp = self.metadata.call(
+            "GET", self._path(), timeout=self.wait_timeout_s + self.http_margin_s
         )
         if resp.header(FLAVOR[0]) != FLAVOR[1]:
             raise Corrupt(
@@ -104,32 +112,22 @@ class GcpMetadataWatcher:
         if value != self.value:
             log.info("GCP metadata %s = %s (etag %s)", self.key, value, self.etag)
         self.value = value
+        going, kind, notice_s, event_id = self._going
+        if value != going:
+            return []
         now = self._clock()
-        if self.key == "preempted" and value == "TRUE":
-            return [
-                Notice(
-                    provider="gcp",
-                    kind="reclaim",
-                    deadline=now + self.preempt_notice_s,
-                    # Preemption happens once in a VM's life: one id, so flapping dedups.
-                    event_id="preempted",
-                    detail="instance/preempted is TRUE",
-                    received_at=now,
-                )
-            ]
-        if self.key == "maintenance-event" and value == "TERMINATE_ON_HOST_MAINTENANCE":
-            return [
-                Notice(
-                    provider="gcp",
-                    kind="maintenance",
-                    deadline=now + self.maintenance_notice_s,
-                    # The VM stops at the event, and so does the daemon: one per lifetime.
-                    event_id="terminate-on-host-maintenance",
-                    detail="instance/maintenance-event is TERMINATE_ON_HOST_MAINTENANCE",
-                    received_at=now,
-                )
-            ]
-        return []
+        return [
+            Notice(
+                provider="gcp",
+                kind=kind,
+                deadline=now + notice_s,
+                # Preemption (and a terminating host event) happens once in a VM's life: one
+                # id per key, so a flapping value dedups.
+                event_id=event_id,
+                detail=f"instance/{self.key} is {value}",
+                received_at=now,
+            )
+        ]
 
     def close(self) -> None:
         return None
@@ -137,13 +135,7 @@ class GcpMetadataWatcher:
 
 def probe_gcp(base_url: str, timeout: float) -> bool:
     """True if a GCE metadata server (it says ``Metadata-Flavor: Google``) answers."""
-    try:
-        resp = request(
-            "GET",
-            base_url.rstrip("/") + METADATA_PREFIX + "id",
-            headers={FLAVOR[0]: FLAVOR[1]},
-            timeout=timeout,
-        )
-    except Unavailable:
-        return False
-    return resp.status == 200 and resp.header(FLAVOR[0]) == FLAVOR[1]
+    return Endpoint(base_url, timeout, {FLAVOR[0]: FLAVOR[1]}).answers(
+        METADATA_PREFIX + "id",
+        lambda resp: resp.status == 200 and resp.header(FLAVOR[0]) == FLAVOR[1],
+    )

@@ -1,18 +1,20 @@
-"""``[triggers]`` parsing and provider auto-detection against loopback servers."""
+"""The ``[triggers]``, ``[migration]`` and policy tables, and provider auto-detection against
+loopback servers."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpusnap.daemon.triggers.aws import AwsImdsWatcher
-from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher
-from gpusnap.daemon.triggers.config import (
+from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
+from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
+from gpusnap.daemon.reclaim.config import (
     TriggersConfig,
-    build_watchers,
-    detect_provider,
-    parse_triggers_config,
+    parse_migration,
+    parse_triggers,
+    parse_workload_policy,
 )
-from gpusnap.daemon.triggers.gcp import GcpMetadataWatcher
+from gpusnap.daemon.reclaim.gcp import GcpMetadataWatcher
+from gpusnap.daemon.reclaim.providers import build_watchers, detect_provider
 from gpusnap.errors import InvalidArgument
 from tests.support.metadata_servers import (
     AwsImdsServer,
@@ -25,8 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_defaults_and_values() -> None:
-    assert parse_triggers_config({}) == TriggersConfig()
-    cfg = parse_triggers_config(
+    assert parse_triggers({}) == TriggersConfig()
+    cfg = parse_triggers(
         {"provider": "gcp", "gcp_metadata_url": "http://127.0.0.1:8080/", "gcp_wait_timeout": 30}
     )
     assert (cfg.provider, cfg.gcp_metadata_url, cfg.gcp_wait_timeout) == (
@@ -51,7 +53,25 @@ def test_defaults_and_values() -> None:
 )
 def test_invalid_tables_name_the_key(table: dict[str, object], needle: str) -> None:
     with pytest.raises(InvalidArgument, match=needle):
-        parse_triggers_config(table)
+        parse_triggers(table)
+
+
+def test_the_migration_table_is_parsed_strictly() -> None:
+    cfg = parse_migration({"standby": True, "cold_start_after": 30, "node_id": "n1"})
+    assert (cfg.standby, cfg.cold_start_after, cfg.node_id) == (True, 30.0, "n1")
+    with pytest.raises(InvalidArgument, match="'standbye'"):
+        parse_migration({"standbye": True})
+    with pytest.raises(InvalidArgument, match="claim_timeout"):
+        parse_migration({"claim_timeout": 0})
+
+
+def test_a_workload_reads_its_policy_keys_and_only_those() -> None:
+    p = parse_workload_policy("llm", {"on_notice": "none", "checkpoint_interval": 600, "cmd": "x"})
+    assert (p.on_notice, p.checkpoint_interval, p.checkpoint_on_rebalance) == ("none", 600.0, True)
+    with pytest.raises(InvalidArgument, match="on_notice"):
+        parse_workload_policy("llm", {"on_notice": "panic"})
+    with pytest.raises(InvalidArgument, match="checkpoint_interval"):
+        parse_workload_policy("llm", {"checkpoint_interval": -1})
 
 
 def _cfg(aws: str, gcp: str, azure: str) -> TriggersConfig:

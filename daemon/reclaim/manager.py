@@ -1,4 +1,4 @@
-"""Notices, the watcher protocol, and the manager that runs watchers.
+"""The watcher protocol, and the manager that runs watchers and delivers their notices once.
 
 A watcher knows one signal source (an instance metadata key, logind); one ``poll`` asks it
 once and returns what is pending *now*. The ``TriggerManager`` owns the threads: it polls each
@@ -14,59 +14,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
+from gpusnap.daemon.reclaim.notice import Notice
 from gpusnap.errors import GpusnapError
 
 log = logging.getLogger(__name__)
-
-NoticeKind = Literal["reclaim", "rebalance", "maintenance", "shutdown"]
-NOTICE_KINDS: tuple[NoticeKind, ...] = ("reclaim", "rebalance", "maintenance", "shutdown")
-
-
-def _nothing() -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class Notice:
-    """One signal that the node is going away (or may soon).
-
-    ``deadline`` is the epoch second by which a checkpoint must be committed (``None`` for an
-    advisory signal). ``ack`` tells the source the node is done with it — Azure approves the
-    event, which lets the platform proceed early — and is called only after every checkpoint
-    the notice started has committed. ``on_done`` is called once handling ends, committed or
-    not (logind: release the shutdown delay lock).
-    """
-
-    provider: str  # aws | gcp | azure | node | drill
-    kind: NoticeKind
-    deadline: float | None
-    event_id: str
-    detail: str = ""
-    received_at: float = 0.0
-    ack: Callable[[], None] = field(default=_nothing, compare=False, repr=False)
-    on_done: Callable[[], None] = field(default=_nothing, compare=False, repr=False)
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.provider, self.kind, self.event_id)
-
-    @property
-    def trigger(self) -> str:
-        """The job trigger label, e.g. ``reclaim:aws``."""
-        return f"{self.kind}:{self.provider}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "provider": self.provider,
-            "kind": self.kind,
-            "deadline": self.deadline,
-            "event_id": self.event_id,
-            "detail": self.detail,
-            "received_at": self.received_at,
-        }
 
 
 class Watcher(Protocol):

@@ -1,4 +1,4 @@
-"""A tiny HTTP/1.1 client for instance metadata services.
+"""A tiny HTTP/1.1 client for instance metadata services, and the ``Endpoint`` each watcher asks.
 
 Metadata endpoints are plain ``http://`` on a link-local address. This client deliberately
 ignores proxy environment variables (a proxy cannot reach 169.254.169.254 and must not see
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -87,3 +88,49 @@ def request(
         raise Unavailable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
     finally:
         conn.close()
+
+
+class Endpoint:
+    """One metadata service: its base URL, the headers every request to it carries (GCP's
+    ``Metadata-Flavor``, Azure's ``Metadata``) and how long one request may take."""
+
+    def __init__(
+        self, base_url: str, timeout: float, headers: Mapping[str, str] | None = None
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.headers = dict(headers or {})
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        timeout: float | None = None,
+    ) -> Response:
+        """One request to ``path`` (with its query); ``Unavailable`` as ``request``."""
+        return request(
+            method,
+            self.base_url + path,
+            headers={**self.headers, **(headers or {})},
+            body=body,
+            timeout=self.timeout if timeout is None else timeout,
+        )
+
+    def answers(
+        self,
+        path: str,
+        accept: Callable[[Response], bool],
+        *,
+        method: str = "GET",
+        headers: Mapping[str, str] | None = None,
+    ) -> bool:
+        """True if the service answers ``path`` and ``accept`` takes the reply: the
+        ``auto`` probe of a provider. A service that does not answer is simply not there."""
+        try:
+            resp = self.call(method, path, headers=headers)
+        except Unavailable:
+            return False
+        return accept(resp)

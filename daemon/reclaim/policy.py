@@ -1,6 +1,6 @@
 """Per-workload policy: what a notice, a schedule or a rebalance hint starts.
 
-Per workload (keys in its config table, see ``POLICY_KEYS``):
+Per workload (keys in its config table: ``config.POLICY_KEYS``, read into a ``WorkloadPolicy``):
 
 - ``on_notice = "checkpoint"`` (default) or ``"none"``: on a reclaim, maintenance or shutdown
   notice, checkpoint in kill mode (the node is going away) against the notice's deadline — or
@@ -14,7 +14,7 @@ Sequencing (decided here, documented in docs/triggers.md): a reclaim that arrive
 periodic or rebalance checkpoint of the same workload runs **supersedes** it — the running job
 is cancelled (the chunks it already uploaded stay in the store and are reused by content
 address), and the reclaim starts once it has stopped, or after ``cancel_wait_s`` at most. If
-the runner cannot cancel (``Unsupported``), the reclaim waits for the job instead, within the
+the node cannot cancel (``Unsupported``), the reclaim waits for the job instead, within the
 same bound. Waiting would spend the deadline on state that the reclaim dump replaces anyway.
 
 A workload is reclaimed at most once: while its reclaim checkpoint runs or after it committed,
@@ -33,79 +33,19 @@ import functools
 import logging
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from gpusnap.daemon.model import Job, JobState
-from gpusnap.daemon.triggers.base import Notice
-from gpusnap.errors import (
-    FailedPrecondition,
-    GpusnapError,
-    InvalidArgument,
-    Unsupported,
-)
+from gpusnap.daemon.reclaim.config import WorkloadPolicy
+from gpusnap.daemon.reclaim.node import NodeDaemon
+from gpusnap.daemon.reclaim.notice import Notice
+from gpusnap.errors import FailedPrecondition, GpusnapError, Unsupported
 
 log = logging.getLogger(__name__)
 
-OnNotice = Literal["checkpoint", "none"]
-POLICY_KEYS = frozenset({"on_notice", "checkpoint_interval", "checkpoint_on_rebalance"})
 RECLAIM_KINDS = ("reclaim", "maintenance", "shutdown")
-
-
-class CheckpointRunner(Protocol):
-    """What the policy needs from the daemon's service."""
-
-    def checkpoint(
-        self,
-        *,
-        workload: str,
-        leave_running: bool,
-        trigger: str,
-        deadline: float | None,
-        compress: bool,
-    ) -> Job:
-        """Queue a checkpoint job and return it at once."""
-        ...
-
-    def wait_job(self, job_id: str, timeout: float) -> Job:
-        """The job once terminal, or as it stands after ``timeout`` seconds."""
-        ...
-
-    def cancel_job(self, job_id: str) -> None:
-        """Ask a running job to stop; may raise ``Unsupported``."""
-        ...
-
-
-@dataclass(frozen=True)
-class WorkloadPolicy:
-    workload: str
-    on_notice: OnNotice = "checkpoint"
-    checkpoint_interval: float | None = None
-    checkpoint_on_rebalance: bool = True
-
-
-def parse_workload_policy(workload: str, table: Mapping[str, Any]) -> WorkloadPolicy:
-    """Read the ``POLICY_KEYS`` of a workload's config table (other keys are not ours)."""
-    where = f"[workloads.{workload}]"
-    on_notice = table.get("on_notice", "checkpoint")
-    if on_notice not in ("checkpoint", "none"):
-        raise InvalidArgument(f"{where} on_notice must be 'checkpoint' or 'none'")
-    interval = table.get("checkpoint_interval")
-    if interval is not None and (
-        isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0
-    ):
-        raise InvalidArgument(f"{where} checkpoint_interval must be a number of seconds > 0")
-    on_rebalance = table.get("checkpoint_on_rebalance", True)
-    if not isinstance(on_rebalance, bool):
-        raise InvalidArgument(f"{where} checkpoint_on_rebalance must be true or false")
-    return WorkloadPolicy(
-        workload,
-        on_notice,
-        float(interval) if interval is not None else None,
-        on_rebalance,
-    )
 
 
 @dataclass
@@ -117,6 +57,11 @@ class _Reclaim:
     job_id: str | None = None
     notices: set[tuple[str, str, str]] = field(default_factory=set)  # keys attached
 
+    @property
+    def holds(self) -> bool:
+        """The workload is this reclaim's: its checkpoint runs, or committed (it left)."""
+        return not self.done.is_set() or self.committed
+
 
 @dataclass
 class _Background:
@@ -124,25 +69,12 @@ class _Background:
     purpose: str  # "periodic" | "rebalance"
 
 
-def drill_notice(deadline_s: float, *, clock: Callable[[], float] = time.time) -> Notice:
-    """A reclaim notice as if the cloud had sent one, for ``gpusnap drill reclaim``."""
-    now = clock()
-    return Notice(
-        provider="drill",
-        kind="reclaim",
-        deadline=now + deadline_s,
-        event_id=f"drill-{uuid.uuid4().hex[:12]}",
-        detail=f"operator drill, deadline {deadline_s:g} s",
-        received_at=now,
-    )
-
-
 class PolicyEngine:
     """Turns notices and schedules into checkpoint jobs, per workload policy."""
 
     def __init__(
         self,
-        runner: CheckpointRunner,
+        node: NodeDaemon,
         policies: Iterable[WorkloadPolicy],
         *,
         on_committed: Callable[[Notice, Job], None] | None = None,
@@ -152,7 +84,7 @@ class PolicyEngine:
         tick_s: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._runner = runner
+        self._node = node
         self._policies = {p.workload: p for p in policies}
         self._on_committed = on_committed
         self.cancel_wait_s = cancel_wait_s
@@ -243,7 +175,7 @@ class PolicyEngine:
                     log.info("%s: on_notice=none; not checkpointing on %s", p.workload, notice.kind)
                     continue
                 existing = self._reclaims.get(p.workload)
-                if existing is not None and (not existing.done.is_set() or existing.committed):
+                if existing is not None and existing.holds:
                     log.info(
                         "%s: already reclaimed by %s; %s attaches to it",
                         p.workload,
@@ -335,7 +267,7 @@ class PolicyEngine:
         end = deadline if deadline is not None else self._clock() + self.cancel_wait_s
         while True:
             try:
-                return self._runner.checkpoint(
+                return self._node.checkpoint(
                     workload=workload,
                     leave_running=False,
                     trigger=trigger,
@@ -368,7 +300,7 @@ class PolicyEngine:
         left = (deadline - self._clock()) if deadline is not None else self.cancel_wait_s * 4
         bound = max(1.0, min(self.cancel_wait_s, left / 4))
         try:
-            self._runner.cancel_job(bg.job_id)
+            self._node.cancel_job(bg.job_id)
             log.warning(
                 "%s: cancelled %s checkpoint %s for a reclaim", workload, bg.purpose, bg.job_id
             )
@@ -376,7 +308,7 @@ class PolicyEngine:
             log.warning("%s: cannot cancel %s; waiting for it", workload, bg.job_id)
         except GpusnapError as exc:
             log.info("%s: cancelling %s: %s", workload, bg.job_id, exc)
-        job = self._runner.wait_job(bg.job_id, bound)
+        job = self._node.wait_job(bg.job_id, bound)
         if not job.state.terminal:
             log.warning(
                 "%s: %s still running after %.0f s; reclaiming anyway", workload, bg.job_id, bound
@@ -393,7 +325,7 @@ class PolicyEngine:
 
     def _wait(self, job_id: str, deadline: float | None) -> Job:
         left = (deadline - self._clock()) if deadline is not None else 0.0
-        return self._runner.wait_job(job_id, max(0.0, left) + self.job_wait_slack_s)
+        return self._node.wait_job(job_id, max(0.0, left) + self.job_wait_slack_s)
 
     # --- background checkpoints ----------------------------------------------------------------
 
@@ -416,16 +348,13 @@ class PolicyEngine:
 
     def _start_background(self, workload: str, purpose: str, trigger: str) -> bool:
         with self._lock:
-            if workload in self._reclaims and (
-                not self._reclaims[workload].done.is_set() or self._reclaims[workload].committed
-            ):
-                return False
-            if workload in self._background:
+            reclaim = self._reclaims.get(workload)
+            if (reclaim is not None and reclaim.holds) or workload in self._background:
                 return False
             if purpose == "periodic":
                 self._last_periodic[workload] = self._clock()
             try:
-                job = self._runner.checkpoint(
+                job = self._node.checkpoint(
                     workload=workload,
                     leave_running=True,
                     trigger=trigger,
@@ -442,7 +371,7 @@ class PolicyEngine:
 
     def _follow_background(self, workload: str, job_id: str) -> None:
         try:
-            job = self._runner.wait_job(job_id, self.job_wait_slack_s * 6)
+            job = self._node.wait_job(job_id, self.job_wait_slack_s * 6)
             if job.state == JobState.SUCCEEDED:
                 seconds = job.result.get("seconds")
                 if isinstance(seconds, int | float):

@@ -10,18 +10,14 @@ from collections.abc import Callable
 import pytest
 
 from gpusnap.daemon.model import Job, JobState
-from gpusnap.daemon.triggers.aws import AwsImdsWatcher
-from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher
-from gpusnap.daemon.triggers.base import Notice, TriggerManager
-from gpusnap.daemon.triggers.policy import (
-    PolicyEngine,
-    WorkloadPolicy,
-    drill_notice,
-    parse_workload_policy,
-)
-from gpusnap.errors import InvalidArgument
+from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
+from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
+from gpusnap.daemon.reclaim.config import WorkloadPolicy
+from gpusnap.daemon.reclaim.manager import TriggerManager
+from gpusnap.daemon.reclaim.notice import Notice, drill_notice
+from gpusnap.daemon.reclaim.policy import PolicyEngine
+from tests.reclaim.fakes import FakeNode
 from tests.support.metadata_servers import AwsImdsServer, AzureEventsServer
-from tests.triggers.fakes import FakeRunner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,41 +53,41 @@ def notice(
 
 
 def test_reclaim_checkpoints_in_kill_mode_against_the_deadline_then_acks() -> None:
-    runner = FakeRunner(auto={"kill": JobState.SUCCEEDED})
+    node = FakeNode(auto={"kill": JobState.SUCCEEDED})
     committed: list[tuple[Notice, Job]] = []
     eng = PolicyEngine(
-        runner, [WorkloadPolicy("llm")], on_committed=lambda n, j: committed.append((n, j))
+        node, [WorkloadPolicy("llm")], on_committed=lambda n, j: committed.append((n, j))
     )
     rec = Recorder()
     n = notice(rec)
     eng.on_notice(n)
     assert rec.done.wait(10)
-    (call,) = runner.calls
+    (call,) = node.calls
     assert (call.workload, call.leave_running, call.trigger) == ("llm", False, "reclaim:aws")
     assert call.deadline == n.deadline
     assert call.compress is True  # 120 s left, plenty
     assert [e[0] for e in rec.events] == ["ack", "done"]
-    assert committed[0][1].result["checkpoint_id"] == "ckpt-job-0"
+    assert committed == [(n, node.jobs[call.job_id])]  # the hook got the committed job
 
 
 def test_ack_waits_for_the_commit() -> None:
-    runner = FakeRunner()
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm")])
+    node = FakeNode()
+    eng = PolicyEngine(node, [WorkloadPolicy("llm")])
     rec = Recorder()
     eng.on_notice(notice(rec))
-    (call,) = runner.wait_calls(1)
+    (call,) = node.wait_calls(1)
     time.sleep(0.2)
     assert rec.events == []  # still checkpointing: no approval yet
     assert eng.reclaim_in_flight()
-    runner.finish(call.job_id)
+    node.finish(call.job_id)
     assert rec.done.wait(10)
-    assert rec.events[0][1] >= runner.commit_times[call.job_id]
+    assert rec.events[0][1] >= node.commit_times[call.job_id]
     assert not eng.reclaim_in_flight()
 
 
 def test_failed_reclaim_is_not_acknowledged_but_is_done() -> None:
-    runner = FakeRunner(auto={"kill": JobState.FAILED})
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm")])
+    node = FakeNode(auto={"kill": JobState.FAILED})
+    eng = PolicyEngine(node, [WorkloadPolicy("llm")])
     rec = Recorder()
     eng.on_notice(notice(rec))
     assert rec.done.wait(10)
@@ -99,135 +95,126 @@ def test_failed_reclaim_is_not_acknowledged_but_is_done() -> None:
 
 
 def test_repeated_and_second_source_notices_start_one_reclaim() -> None:
-    runner = FakeRunner()
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm")])
+    node = FakeNode()
+    eng = PolicyEngine(node, [WorkloadPolicy("llm")])
     a, b, c = Recorder(), Recorder(), Recorder()
     eng.on_notice(notice(a, event_id="x"))
     eng.on_notice(notice(b, event_id="x"))  # a repeat that got past dedup
     eng.on_notice(notice(c, event_id="sigterm", provider="node"))  # another source
-    (call,) = runner.wait_calls(1)
-    runner.finish(call.job_id)
+    (call,) = node.wait_calls(1)
+    node.finish(call.job_id)
     for r in (a, b, c):
         assert r.done.wait(10)
         assert [e[0] for e in r.events] == ["ack", "done"]
     time.sleep(0.1)
-    assert len(runner.calls) == 1
+    assert len(node.calls) == 1
     # After the commit the workload is gone: a later notice still starts nothing.
     d = Recorder()
     eng.on_notice(notice(d, event_id="later"))
     assert d.done.wait(10)
-    assert len(runner.calls) == 1
+    assert len(node.calls) == 1
 
 
 def test_on_notice_none_does_nothing() -> None:
-    runner = FakeRunner(auto={"kill": JobState.SUCCEEDED})
-    eng = PolicyEngine(runner, [WorkloadPolicy("batch", on_notice="none")])
+    node = FakeNode(auto={"kill": JobState.SUCCEEDED})
+    eng = PolicyEngine(node, [WorkloadPolicy("batch", on_notice="none")])
     rec = Recorder()
     eng.on_notice(notice(rec))
     assert rec.done.wait(10)
-    assert runner.calls == []
+    assert node.calls == []
     assert [e[0] for e in rec.events] == ["done"]  # nothing committed: nothing approved
 
 
 def test_reclaim_supersedes_a_running_periodic_checkpoint() -> None:
-    runner = FakeRunner()
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm", checkpoint_interval=3600)])
+    node = FakeNode()
+    eng = PolicyEngine(node, [WorkloadPolicy("llm", checkpoint_interval=3600)])
     eng.tick()
-    (periodic,) = runner.wait_calls(1)
+    (periodic,) = node.wait_calls(1)
     assert periodic.leave_running is True and periodic.trigger == "schedule"
     eng.tick()  # still running: no second periodic
-    assert len(runner.calls) == 1
+    assert len(node.calls) == 1
     rec = Recorder()
     eng.on_notice(notice(rec))
-    calls = runner.wait_calls(2)
+    calls = node.wait_calls(2)
     assert len(calls) == 2
     reclaim = calls[1]
     assert reclaim.leave_running is False
-    assert runner.cancels and runner.cancels[0][0] == periodic.job_id
-    assert runner.cancels[0][1] <= reclaim.at  # cancelled before the reclaim began
-    assert runner.jobs[periodic.job_id].state == JobState.CANCELLED
-    runner.finish(reclaim.job_id)
+    assert node.cancels and node.cancels[0][0] == periodic.job_id
+    assert node.cancels[0][1] <= reclaim.at  # cancelled before the reclaim began
+    assert node.jobs[periodic.job_id].state == JobState.CANCELLED
+    node.finish(reclaim.job_id)
     assert rec.done.wait(10)
     eng.tick()  # reclaimed: no periodic checkpoints any more
     time.sleep(0.1)
-    assert len(runner.calls) == 2
+    assert len(node.calls) == 2
 
 
 def test_reclaim_waits_for_a_periodic_that_cannot_be_cancelled() -> None:
-    runner = FakeRunner(can_cancel=False)
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm", checkpoint_interval=3600)], cancel_wait_s=5)
+    node = FakeNode(can_cancel=False)
+    eng = PolicyEngine(node, [WorkloadPolicy("llm", checkpoint_interval=3600)], cancel_wait_s=5)
     eng.tick()
-    (periodic,) = runner.wait_calls(1)
+    (periodic,) = node.wait_calls(1)
     rec = Recorder()
     eng.on_notice(notice(rec))
     time.sleep(0.3)
-    assert len(runner.calls) == 1  # waiting for the periodic one
-    runner.finish(periodic.job_id)
-    calls = runner.wait_calls(2)
+    assert len(node.calls) == 1  # waiting for the periodic one
+    node.finish(periodic.job_id)
+    calls = node.wait_calls(2)
     assert len(calls) == 2 and calls[1].leave_running is False
-    runner.finish(calls[1].job_id)
+    node.finish(calls[1].job_id)
     assert rec.done.wait(10)
 
 
 def test_reclaim_waits_for_a_checkpoint_it_did_not_start() -> None:
-    runner = FakeRunner()
-    operator_job = runner.checkpoint(
+    node = FakeNode()
+    operator_job = node.checkpoint(
         workload="llm", leave_running=True, trigger="operator", deadline=None, compress=True
     )
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm")])
+    eng = PolicyEngine(node, [WorkloadPolicy("llm")])
     rec = Recorder()
     n = notice(rec)
     eng.on_notice(n)
     time.sleep(0.5)
-    assert len(runner.calls) == 1  # refused while the operator's job holds the workload
-    runner.finish(operator_job.id)
-    calls = runner.wait_calls(2)
+    assert len(node.calls) == 1  # refused while the operator's job holds the workload
+    node.finish(operator_job.id)
+    calls = node.wait_calls(2)
     assert len(calls) == 2 and calls[1].leave_running is False
     assert eng.jobs_for(n) == [calls[1].job_id]
-    runner.finish(calls[1].job_id)
+    node.finish(calls[1].job_id)
     assert rec.done.wait(10)
     assert [e[0] for e in rec.events] == ["ack", "done"]
 
 
 def test_compression_is_skipped_when_behind_schedule() -> None:
-    runner = FakeRunner(auto={"kill": JobState.SUCCEEDED})
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm")], uncompressed_below_s=60)
+    node = FakeNode(auto={"kill": JobState.SUCCEEDED})
+    eng = PolicyEngine(node, [WorkloadPolicy("llm")], uncompressed_below_s=60)
     rec = Recorder()
     eng.on_notice(notice(rec, left=20))
     assert rec.done.wait(10)
-    assert runner.calls[0].compress is False
+    assert node.calls[0].compress is False
 
 
 def test_rebalance_starts_an_early_leave_running_checkpoint() -> None:
-    runner = FakeRunner(auto={"keep": JobState.SUCCEEDED})
+    node = FakeNode(auto={"keep": JobState.SUCCEEDED})
     eng = PolicyEngine(
-        runner,
+        node,
         [WorkloadPolicy("llm"), WorkloadPolicy("other", checkpoint_on_rebalance=False)],
     )
     eng.on_notice(Notice("aws", "rebalance", None, "rebalance-t"))
-    (call,) = runner.wait_calls(1)
+    (call,) = node.wait_calls(1)
     time.sleep(0.1)
-    assert len(runner.calls) == 1
+    assert len(node.calls) == 1
     assert (call.workload, call.leave_running, call.trigger) == ("llm", True, "rebalance:aws")
 
 
 def test_drill_runs_the_reclaim_path_with_trigger_drill() -> None:
-    runner = FakeRunner(auto={"kill": JobState.SUCCEEDED})
-    eng = PolicyEngine(runner, [WorkloadPolicy("llm")])
+    node = FakeNode(auto={"kill": JobState.SUCCEEDED})
+    eng = PolicyEngine(node, [WorkloadPolicy("llm")])
     n = drill_notice(45)
     eng.on_notice(n)
-    (call,) = runner.wait_calls(1)
+    (call,) = node.wait_calls(1)
     assert call.trigger == "drill" and call.leave_running is False
     assert call.deadline == n.deadline
-
-
-def test_parse_workload_policy() -> None:
-    p = parse_workload_policy("llm", {"on_notice": "none", "checkpoint_interval": 600, "cmd": "x"})
-    assert (p.on_notice, p.checkpoint_interval, p.checkpoint_on_rebalance) == ("none", 600.0, True)
-    with pytest.raises(InvalidArgument, match="on_notice"):
-        parse_workload_policy("llm", {"on_notice": "panic"})
-    with pytest.raises(InvalidArgument, match="checkpoint_interval"):
-        parse_workload_policy("llm", {"checkpoint_interval": -1})
 
 
 # --- through real watchers and loopback servers ---------------------------------------------
@@ -236,30 +223,30 @@ def test_parse_workload_policy() -> None:
 def test_azure_is_approved_only_after_the_commit() -> None:
     with AzureEventsServer() as server:
         eid = server.schedule("Preempt")
-        runner = FakeRunner()
-        eng = PolicyEngine(runner, [WorkloadPolicy("llm")])
+        node = FakeNode()
+        eng = PolicyEngine(node, [WorkloadPolicy("llm")])
         w = AzureScheduledEventsWatcher(server.url, poll_interval=0.05)
         mgr = TriggerManager([w], eng.on_notice)
         mgr.start()
         try:
-            (call,) = runner.wait_calls(1)
+            (call,) = node.wait_calls(1)
             time.sleep(0.5)  # many polls see the event; none approves it
             assert server.approvals == []
-            runner.finish(call.job_id)
+            node.finish(call.job_id)
             assert wait_for(lambda: len(server.approvals) == 1)
         finally:
             mgr.stop()
-        assert len(runner.calls) == 1
+        assert len(node.calls) == 1
         (post,) = server.requests_to("/metadata/scheduledevents", "POST")
         assert json.loads(post.body) == {"StartRequests": [{"EventId": eid}]}
-        assert post.at > runner.commit_times[call.job_id]
+        assert post.at > node.commit_times[call.job_id]
 
 
 def test_aws_notice_polled_many_times_starts_one_checkpoint() -> None:
     with AwsImdsServer() as server:
         server.announce_reclaim()
-        runner = FakeRunner(auto={"kill": JobState.SUCCEEDED})
-        eng = PolicyEngine(runner, [WorkloadPolicy("a"), WorkloadPolicy("b")])
+        node = FakeNode(auto={"kill": JobState.SUCCEEDED})
+        eng = PolicyEngine(node, [WorkloadPolicy("a"), WorkloadPolicy("b")])
         w = AwsImdsWatcher(server.url, poll_interval=0.02)
         mgr = TriggerManager([w], eng.on_notice)
         mgr.start()
@@ -267,4 +254,4 @@ def test_aws_notice_polled_many_times_starts_one_checkpoint() -> None:
             assert wait_for(lambda: mgr.state()[0].polls >= 10)
         finally:
             mgr.stop()
-        assert sorted(c.workload for c in runner.calls) == ["a", "b"]
+        assert sorted(c.workload for c in node.calls) == ["a", "b"]

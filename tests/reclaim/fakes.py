@@ -1,4 +1,4 @@
-"""A fake checkpoint runner that records calls and lets a test decide when jobs end."""
+"""A fake node daemon (``NodeDaemon``) that records calls and lets a test decide when jobs end."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from gpusnap.daemon.model import Job, JobKind, JobState
-from gpusnap.errors import FailedPrecondition, Unsupported
+from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState
+from gpusnap.daemon.reclaim.node import StoreAccess
+from gpusnap.errors import FailedPrecondition, Unavailable, Unsupported
+from gpusnap.storage.manifest import new_checkpoint_id
+from gpusnap.storage.store import CheckpointStore
 
 
 @dataclass
@@ -23,12 +26,28 @@ class Call:
 
 
 @dataclass
-class FakeRunner:
-    """Jobs end when the test calls ``finish`` — or at once, when ``auto`` says so."""
+class FakeStore:
+    """The node's store handle: the given store, or ``Unavailable`` when there is none."""
+
+    store: CheckpointStore | None = None
+
+    def get(self) -> CheckpointStore:
+        if self.store is None:
+            raise Unavailable("this fake node has no store")
+        return self.store
+
+
+@dataclass
+class FakeNode:
+    """Checkpoint jobs end when the test calls ``finish`` — or at once, when ``auto`` says so.
+
+    A restore is refused (not a standby node) and every checkpoint is compatible.
+    """
 
     auto: dict[str, JobState] = field(default_factory=dict)  # purpose "kill"/"keep" -> end state
     can_cancel: bool = True
     exclusive: bool = True  # like the service: one checkpoint of a workload at a time
+    store_handle: FakeStore = field(default_factory=FakeStore)
     calls: list[Call] = field(default_factory=list)
     cancels: list[tuple[str, float]] = field(default_factory=list)
     jobs: dict[str, Job] = field(default_factory=dict)
@@ -36,6 +55,10 @@ class FakeRunner:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     commit_times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def store(self) -> StoreAccess:
+        return self.store_handle
 
     def checkpoint(
         self,
@@ -75,7 +98,7 @@ class FakeRunner:
             job.state = state
             if state == JobState.SUCCEEDED:
                 job.result = {
-                    "checkpoint_id": f"ckpt-{job_id}",
+                    "checkpoint_id": new_checkpoint_id(),
                     "seconds": 1.0,
                     "committed_before_deadline": True,
                 }
@@ -84,15 +107,25 @@ class FakeRunner:
                 job.error = "it failed"
         self.done[job_id].set()
 
+    def restore(self, *, checkpoint_id: str) -> Job:
+        raise AssertionError(f"not a standby node: asked to restore {checkpoint_id}")
+
+    def compat(self, checkpoint_id: str) -> CompatVerdict:
+        return CompatVerdict(checkpoint_id, True)
+
+    def get_job(self, job_id: str) -> Job:
+        return self.jobs[job_id]
+
     def wait_job(self, job_id: str, timeout: float) -> Job:
         self.done[job_id].wait(timeout)
         return self.jobs[job_id]
 
-    def cancel_job(self, job_id: str) -> None:
+    def cancel_job(self, job_id: str) -> Job:
         if not self.can_cancel:
             raise Unsupported("cancel is not supported")
         self.cancels.append((job_id, time.monotonic()))
         self.finish(job_id, JobState.CANCELLED)
+        return self.jobs[job_id]
 
     def wait_calls(self, n: int, timeout: float = 10) -> list[Call]:
         end = time.monotonic() + timeout

@@ -8,23 +8,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpusnap.daemon.migration import (
+from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState, Reason
+from gpusnap.daemon.reclaim.board import (
     MigrationBoard,
     MigrationClaim,
     MigrationRequest,
-    StandbyLoop,
-    parse_migration_config,
+    StoreRecords,
 )
-from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState, Reason
-from gpusnap.errors import Corrupt, InvalidArgument, Unavailable
+from gpusnap.daemon.reclaim.standby import RestoreRun, StandbyLoop
+from gpusnap.errors import Corrupt, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore
-from tests.triggers.conftest import StoreSpec
+from tests.reclaim.conftest import StoreSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +41,7 @@ class Clock:
 
 
 def board(store: CheckpointStore, clock: Clock | None = None, **kw: float) -> MigrationBoard:
-    return MigrationBoard(store.backend, store, clock=clock or time.time, **kw)
+    return MigrationBoard(StoreRecords(lambda: store), clock=clock or time.time, **kw)
 
 
 def test_publish_pending_claim_outcome(store: CheckpointStore) -> None:
@@ -118,11 +119,11 @@ CHILD = r"""
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from tests.triggers.conftest import StoreSpec
-from gpusnap.daemon.migration import MigrationBoard
+from tests.reclaim.conftest import StoreSpec
+from gpusnap.daemon.reclaim.board import MigrationBoard, StoreRecords
 spec = StoreSpec({url!r}, Path({key!r}), {endpoint!r})
 store = spec.open(Path({cache!r}))
-board = MigrationBoard(store.backend, store)
+board = MigrationBoard(StoreRecords(lambda: store))
 go = Path({go!r})
 end = time.monotonic() + 30
 while not go.exists() and time.monotonic() < end:
@@ -175,7 +176,7 @@ def test_processes_racing_exactly_one_claim_wins(
 # --- standby loop -----------------------------------------------------------------------------
 
 
-def restore_ok(mode: str) -> tuple[list[str], object]:
+def restore_ok(mode: str) -> tuple[list[str], RestoreRun]:
     calls: list[str] = []
 
     def run(req: MigrationRequest, claim: MigrationClaim) -> Job:
@@ -201,7 +202,7 @@ def test_compatible_standby_claims_at_once_and_records_restored(store: Checkpoin
     cid = new_checkpoint_id()
     b.publish(cid, "llm", "node-a")
     calls, run = restore_ok("restored")
-    loop = StandbyLoop(b, "node-b", compatible, run)  # type: ignore[arg-type]
+    loop = StandbyLoop(b, "node-b", compatible, run)
     (outcome,) = loop.tick()
     assert calls == [cid]
     assert (outcome.state, outcome.mode, outcome.node_id) == ("succeeded", "restored", "node-b")
@@ -213,7 +214,7 @@ def test_source_node_does_not_adopt_its_own_workload(store: CheckpointStore) -> 
     b = board(store)
     b.publish(new_checkpoint_id(), "llm", "node-a")
     calls, run = restore_ok("restored")
-    assert StandbyLoop(b, "node-a", compatible, run).tick() == []  # type: ignore[arg-type]
+    assert StandbyLoop(b, "node-a", compatible, run).tick() == []
     assert calls == []
 
 
@@ -223,7 +224,7 @@ def test_incompatible_node_claims_only_after_the_timeout(store: CheckpointStore)
     cid = new_checkpoint_id()
     b.publish(cid, "llm", "node-a")
     calls, run = restore_ok("cold-start")
-    loop = StandbyLoop(b, "node-x", incompatible, run, cold_start_after_s=60, clock=clock)  # type: ignore[arg-type]
+    loop = StandbyLoop(b, "node-x", incompatible, run, cold_start_after_s=60, clock=clock)
     assert loop.tick() == []
     clock.now += 59
     assert loop.tick() == []
@@ -247,8 +248,8 @@ def test_compatible_node_wins_over_an_incompatible_one_before_the_timeout(
     b.publish(cid, "llm", "node-a")
     cold_calls, cold_run = restore_ok("cold-start")
     warm_calls, warm_run = restore_ok("restored")
-    bad = StandbyLoop(b, "node-x", incompatible, cold_run, cold_start_after_s=60, clock=clock)  # type: ignore[arg-type]
-    good = StandbyLoop(b, "node-y", compatible, warm_run, clock=clock)  # type: ignore[arg-type]
+    bad = StandbyLoop(b, "node-x", incompatible, cold_run, cold_start_after_s=60, clock=clock)
+    good = StandbyLoop(b, "node-y", compatible, warm_run, clock=clock)
     assert bad.tick() == []
     assert len(good.tick()) == 1
     clock.now += 120
@@ -271,32 +272,29 @@ def test_failed_restore_is_recorded(store: CheckpointStore) -> None:
     assert b.get(cid).status == "failed"
 
 
-class OutcomePutFails:
-    """The store's backend, except that the first ``times`` puts of an outcome fail."""
+class OutcomePutFails(StoreRecords):
+    """The store's records, except that the first ``times`` puts of an outcome fail."""
 
-    def __init__(self, backend: Any, times: int) -> None:
-        self._backend = backend
+    def __init__(self, store: CheckpointStore, times: int) -> None:
+        super().__init__(lambda: store)
         self.times = times
 
-    def put(self, key: str, data: bytes, **kw: Any) -> None:
-        if key.endswith("/outcome") and self.times > 0:
+    def create(self, name: str, record: Mapping[str, Any]) -> None:
+        if name.endswith("/outcome") and self.times > 0:
             self.times -= 1
             raise Unavailable("store unreachable: connection refused")
-        self._backend.put(key, data, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+        super().create(name, record)
 
 
 def standby_whose_outcome_is_refused(
     store: CheckpointStore, times: int
 ) -> tuple[MigrationBoard, str, list[str], StandbyLoop]:
     """A published request and a compatible standby whose first ``times`` outcome puts fail."""
-    b = MigrationBoard(OutcomePutFails(store.backend, times=times), store)  # type: ignore[arg-type]
+    b = MigrationBoard(OutcomePutFails(store, times=times))
     cid = new_checkpoint_id()
     b.publish(cid, "llm", "node-a")
     calls, run = restore_ok("restored")
-    return b, cid, calls, StandbyLoop(b, "node-b", compatible, run)  # type: ignore[arg-type]
+    return b, cid, calls, StandbyLoop(b, "node-b", compatible, run)
 
 
 def test_an_outcome_the_store_refused_is_retried_and_the_restore_not_run_twice(
@@ -325,15 +323,6 @@ def test_an_unrecorded_outcome_gets_a_last_try_when_the_standby_stops(
     assert b.get(cid).status == "restored"
 
 
-def test_parse_migration_config() -> None:
-    cfg = parse_migration_config({"standby": True, "cold_start_after": 30, "node_id": "n1"})
-    assert (cfg.standby, cfg.cold_start_after, cfg.node_id) == (True, 30.0, "n1")
-    with pytest.raises(InvalidArgument, match="'standbye'"):
-        parse_migration_config({"standbye": True})
-    with pytest.raises(InvalidArgument, match="claim_timeout"):
-        parse_migration_config({"claim_timeout": 0})
-
-
 # --- records that do not hold are ignored, and cannot stall a migration -------------------------
 
 
@@ -351,7 +340,7 @@ def test_a_planted_garbage_claim_does_not_stall_the_migration(store: CheckpointS
     store.backend.put(f"migrations/{cid}/claim-0000", b"{}")
     assert [r.checkpoint_id for r in b.pending()] == [cid]
     calls, run = restore_ok("restored")
-    (outcome,) = StandbyLoop(b, "node-b", compatible, run).tick()  # type: ignore[arg-type]
+    (outcome,) = StandbyLoop(b, "node-b", compatible, run).tick()
     assert calls == [cid]
     assert outcome.attempt == 10000  # after every claim name present, valid or not
     st = b.get(cid)
@@ -369,7 +358,7 @@ def test_a_planted_garbage_outcome_neither_ends_the_migration_nor_keeps_the_real
     assert b.get(cid).status == "pending"
     assert [r.checkpoint_id for r in b.pending()] == [cid]
     calls, run = restore_ok("restored")
-    (outcome,) = StandbyLoop(b, "node-b", compatible, run).tick()  # type: ignore[arg-type]
+    (outcome,) = StandbyLoop(b, "node-b", compatible, run).tick()
     assert calls == [cid]
     st = b.get(cid)
     assert st.status == "restored" and st.outcome == outcome
@@ -395,8 +384,8 @@ def test_signed_records_of_another_checkpoint_do_not_count_in_this_one(
     mine = b.claim(cid, "node-c", "restore")
     assert mine is not None and mine.attempt == 1
     b.record_outcome(mine, succeeded=True, mode="restored")
-    assert b.get(cid).outcome is not None
-    assert b.get(cid).outcome.node_id == "node-c"  # type: ignore[union-attr]
+    outcome = b.get(cid).outcome
+    assert outcome is not None and outcome.node_id == "node-c"
 
 
 @pytest.mark.parametrize(

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from gpusnap.daemon.triggers._http import request
-from gpusnap.daemon.triggers.base import Notice, NoticeKind
+from gpusnap.daemon.reclaim._http import Endpoint, Response
+from gpusnap.daemon.reclaim.notice import Notice, NoticeKind
 from gpusnap.errors import Corrupt, Unavailable
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,9 @@ class AzureScheduledEventsWatcher:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = "azure"
-        self.base_url = base_url.rstrip("/")
-        self.url = f"{self.base_url}{EVENTS_PATH}?api-version={api_version}"
+        self.imds = Endpoint(base_url, timeout, {"Metadata": "true"})
+        self.events_path = f"{EVENTS_PATH}?api-version={api_version}"
         self.poll_interval = poll_interval
-        self.timeout = timeout
         self.default_notice_s = default_notice_s
         self.vm_name = vm_name
         self._name_known = vm_name is not None
@@ -83,9 +82,7 @@ class AzureScheduledEventsWatcher:
     def _resolve_vm_name(self) -> None:
         if self._name_known:
             return
-        resp = request(
-            "GET", self.base_url + NAME_PATH, headers={"Metadata": "true"}, timeout=self.timeout
-        )
+        resp = self.imds.call("GET", NAME_PATH)
         if resp.status == 200 and resp.text().strip():
             self.vm_name = resp.text().strip()
             log.info("Azure VM name: %s", self.vm_name)
@@ -101,12 +98,8 @@ class AzureScheduledEventsWatcher:
     def approve(self, event_id: str) -> None:
         """Approve (start) one scheduled event now."""
         body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
-        resp = request(
-            "POST",
-            self.url,
-            headers={"Metadata": "true", "Content-Type": "application/json"},
-            body=body,
-            timeout=self.timeout,
+        resp = self.imds.call(
+            "POST", self.events_path, headers={"Content-Type": "application/json"}, body=body
         )
         if resp.status != 200:
             raise Unavailable(f"Azure approval of event {event_id} answered HTTP {resp.status}")
@@ -133,7 +126,7 @@ class AzureScheduledEventsWatcher:
 
     def poll(self) -> list[Notice]:
         self._resolve_vm_name()
-        resp = request("GET", self.url, headers={"Metadata": "true"}, timeout=self.timeout)
+        resp = self.imds.call("GET", self.events_path)
         if resp.status != 200:
             raise Unavailable(f"Azure scheduled events answered HTTP {resp.status}")
         now = self._clock()
@@ -177,15 +170,10 @@ class AzureScheduledEventsWatcher:
 
 def probe_azure(base_url: str, timeout: float) -> bool:
     """True if an Azure IMDS answers the instance document at ``base_url``."""
-    try:
-        resp = request(
-            "GET",
-            base_url.rstrip("/") + INSTANCE_PATH,
-            headers={"Metadata": "true"},
-            timeout=timeout,
-        )
-    except Unavailable:
-        return False
+    return Endpoint(base_url, timeout, {"Metadata": "true"}).answers(INSTANCE_PATH, _is_instance)
+
+
+def _is_instance(resp: Response) -> bool:
     if resp.status != 200:
         return False
     try:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpusnap.daemon.triggers.base import Notice
+from gpusnap.daemon.reclaim.notice import Notice
 from gpusnap.errors import Unavailable, Unsupported
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from gpusnap.daemon.triggers._http import Response, request
-from gpusnap.daemon.triggers.base import Notice
+from gpusnap.daemon.reclaim._http import Endpoint, Response
+from gpusnap.daemon.reclaim.notice import Notice
 from gpusnap.errors import Corrupt, Unavailable
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,8 @@ class AwsImdsWatcher:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = "aws"
-        self.base_url = base_url.rstrip("/")
+        self.imds = Endpoint(base_url, timeout)
         self.poll_interval = poll_interval
-        self.timeout = timeout
         self.token_ttl = token_ttl
         self.watch_rebalance = watch_rebalance
         self._clock = clock
@@ -83,12 +82,7 @@ class AwsImdsWatcher:
     # --- token -------------------------------------------------------------------------------
 
     def _fetch_token(self) -> str:
-        resp = request(
-            "PUT",
-            self.base_url + TOKEN_PATH,
-            headers={TTL_HEADER: str(self.token_ttl)},
-            timeout=self.timeout,
-        )
+        resp = self.imds.call("PUT", TOKEN_PATH, headers={TTL_HEADER: str(self.token_ttl)})
         if resp.status != 200:
             raise Unavailable(f"AWS IMDS token request answered HTTP {resp.status}")
         token = resp.text().strip()
@@ -112,23 +106,22 @@ class AwsImdsWatcher:
             return self._token
 
     def _get(self, path: str) -> Response:
-        token = self._current_token()
-        resp = request(
-            "GET", self.base_url + path, headers={TOKEN_HEADER: token}, timeout=self.timeout
-        )
+        resp = self.imds.call("GET", path, headers={TOKEN_HEADER: self._current_token()})
         if resp.status == 401:
             log.info("IMDSv2 token rejected (401); fetching a new one")
             token = self._current_token(force=True)
-            resp = request(
-                "GET", self.base_url + path, headers={TOKEN_HEADER: token}, timeout=self.timeout
-            )
+            resp = self.imds.call("GET", path, headers={TOKEN_HEADER: token})
         if resp.status == 401:
             raise Unavailable(f"AWS IMDS refused a fresh token for {path} (401)")
         return resp
 
-    # --- poll --------------------------------------------------------------------------------
-
-    def _json_object(self, resp: Response, path: str) -> dict[str, Any]:
+    def _document(self, path: str) -> dict[str, Any] | None:
+        """The JSON object at ``path``; ``None`` when IMDS says nothing is there (404)."""
+        resp = self._get(path)
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise Unavailable(f"AWS IMDS {path} answered HTTP {resp.status}")
         try:
             doc = json.loads(resp.body)
         except ValueError as exc:
@@ -137,13 +130,12 @@ class AwsImdsWatcher:
             raise Corrupt(f"AWS IMDS {path}: answer is not a JSON object")
         return doc
 
+    # --- poll --------------------------------------------------------------------------------
+
     def _instance_action(self) -> Notice | None:
-        resp = self._get(INSTANCE_ACTION_PATH)
-        if resp.status == 404:
+        doc = self._document(INSTANCE_ACTION_PATH)
+        if doc is None:
             return None
-        if resp.status != 200:
-            raise Unavailable(f"AWS IMDS {INSTANCE_ACTION_PATH} answered HTTP {resp.status}")
-        doc = self._json_object(resp, INSTANCE_ACTION_PATH)
         action = doc.get("action")
         if action not in ACTIONS:
             raise Corrupt(f"AWS IMDS instance-action: unknown action {action!r:.40}")
@@ -162,12 +154,9 @@ class AwsImdsWatcher:
         )
 
     def _rebalance(self) -> Notice | None:
-        resp = self._get(REBALANCE_PATH)
-        if resp.status == 404:
+        doc = self._document(REBALANCE_PATH)
+        if doc is None:
             return None
-        if resp.status != 200:
-            raise Unavailable(f"AWS IMDS {REBALANCE_PATH} answered HTTP {resp.status}")
-        doc = self._json_object(resp, REBALANCE_PATH)
         notice_time = doc.get("noticeTime")
         parse_aws_time(notice_time, what="rebalance noticeTime")
         return Notice(
@@ -180,15 +169,10 @@ class AwsImdsWatcher:
         )
 
     def poll(self) -> list[Notice]:
-        notices: list[Notice] = []
-        action = self._instance_action()
-        if action is not None:
-            notices.append(action)
+        found = [self._instance_action()]
         if self.watch_rebalance:
-            rebalance = self._rebalance()
-            if rebalance is not None:
-                notices.append(rebalance)
-        return notices
+            found.append(self._rebalance())
+        return [n for n in found if n is not None]
 
     def close(self) -> None:
         return None
@@ -196,10 +180,9 @@ class AwsImdsWatcher:
 
 def probe_aws(base_url: str, timeout: float) -> bool:
     """True if an IMDSv2 service answers a token request at ``base_url``."""
-    try:
-        resp = request(
-            "PUT", base_url.rstrip("/") + TOKEN_PATH, headers={TTL_HEADER: "60"}, timeout=timeout
-        )
-    except Unavailable:
-        return False
-    return resp.status == 200 and bool(resp.body.strip())
+    return Endpoint(base_url, timeout).answers(
+        TOKEN_PATH,
+        lambda resp: resp.status == 200 and bool(resp.body.strip()),
+        method="PUT",
+        headers={TTL_HEADER: "60"},
+    )

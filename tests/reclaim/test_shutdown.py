@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.model import JobState
-from gpusnap.daemon.triggers.base import Notice
-from gpusnap.daemon.triggers.policy import PolicyEngine, WorkloadPolicy
-from gpusnap.daemon.triggers.shutdown import LogindInhibitor, StopTimeoutExtender
+from gpusnap.daemon.reclaim.config import WorkloadPolicy
+from gpusnap.daemon.reclaim.notice import Notice
+from gpusnap.daemon.reclaim.policy import PolicyEngine
+from gpusnap.daemon.reclaim.shutdown import LogindInhibitor, StopTimeoutExtender
 from gpusnap.errors import Unavailable
-from tests.triggers.fakes import FakeRunner
+from tests.reclaim.fakes import FakeNode
 
 jeepney = pytest.importorskip("jeepney")
 from jeepney import DBusAddress, HeaderFields, MessageType, new_method_return, new_signal  # noqa: E402
@@ -61,12 +62,19 @@ def bus(tmp_path: Path) -> Iterator[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    address = f"unix:path={sock}"
     try:
+        # The socket file appears at bind(), before the bus accepts: wait for a connection.
         end = time.monotonic() + 10
-        while not sock.exists() and time.monotonic() < end:
-            time.sleep(0.02)
-        assert sock.exists(), "dbus-daemon did not start"
-        yield f"unix:path={sock}"
+        while True:
+            try:
+                open_dbus_connection(address).close()
+                break
+            except (OSError, ValueError):
+                if time.monotonic() > end:
+                    raise AssertionError("dbus-daemon did not start") from None
+                time.sleep(0.02)
+        yield address
     finally:
         proc.terminate()
         proc.wait(10)
@@ -134,8 +142,8 @@ def wait_for(cond: Any, timeout: float = 10) -> bool:
 
 def test_lock_is_held_while_the_reclaim_runs_and_released_after(bus: str) -> None:
     logind = FakeLogind(bus)
-    runner = FakeRunner()
-    engine = PolicyEngine(runner, [WorkloadPolicy("llm")])
+    node = FakeNode()
+    engine = PolicyEngine(node, [WorkloadPolicy("llm")])
     notices: list[Notice] = []
 
     def on_notice(n: Notice) -> None:
@@ -151,13 +159,13 @@ def test_lock_is_held_while_the_reclaim_runs_and_released_after(bus: str) -> Non
         assert inhibitor.delay_max_s == 7.0
         assert inhibitor.held and logind.lock_open()
         logind.prepare_for_shutdown(True)
-        (call,) = runner.wait_calls(1)
+        (call,) = node.wait_calls(1)
         assert call.trigger == "shutdown:node" and call.leave_running is False
         (notice,) = notices
         assert notice.deadline == pytest.approx(notice.received_at + 7.0)
         time.sleep(0.3)
         assert logind.lock_open()  # checkpoint still running: shutdown stays delayed
-        runner.finish(call.job_id)
+        node.finish(call.job_id)
         assert wait_for(lambda: not logind.lock_open())
         assert not inhibitor.held
         # A cancelled shutdown takes the lock again.
@@ -172,14 +180,14 @@ def test_lock_is_held_while_the_reclaim_runs_and_released_after(bus: str) -> Non
 
 def test_lock_is_released_even_when_the_checkpoint_fails(bus: str) -> None:
     logind = FakeLogind(bus)
-    runner = FakeRunner(auto={"kill": JobState.FAILED})
-    engine = PolicyEngine(runner, [WorkloadPolicy("llm")])
+    node = FakeNode(auto={"kill": JobState.FAILED})
+    engine = PolicyEngine(node, [WorkloadPolicy("llm")])
     inhibitor = LogindInhibitor(engine.on_notice, bus_address=bus)
     try:
         inhibitor.start()
         logind.prepare_for_shutdown(True)
         assert wait_for(lambda: not logind.lock_open())
-        assert len(runner.calls) == 1
+        assert len(node.calls) == 1
     finally:
         inhibitor.close()
         logind.close()
