@@ -1,0 +1,215 @@
+"""The fake libcuda.so.1, driven through the real cuda-bindings in real processes.
+
+Each test starts CUDA processes (``target.py``) on fake nodes and acts on them from other
+processes (``ctl.py``), as cuda-checkpoint and gpusnapd's worker do; the CRIU test dumps and
+restores a checkpointed one with the real CRIU. docs/gpu.md ("The fake driver") lists the
+rules checked here and where each comes from.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import libcuda
+from tests.fakes.libcuda import GIB, CudaProcess, control, err, gpu, ok, wait_for, write_node
+
+MIB = 2**20
+A0 = gpu(0)["uuid"]
+B0, B1 = "GPU-b0b0b0b0-0000-4000-8000-00000000000b", "GPU-b1b1b1b1-0000-4000-8000-00000000000b"
+
+
+@pytest.fixture(scope="session")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The library, built once per session into a temporary directory."""
+    if shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler or make here (scripts/bootstrap.sh installs them)")
+    return libcuda.build(tmp_path_factory.mktemp("libcuda"))
+
+
+@pytest.fixture
+def started() -> Iterator[list[CudaProcess]]:
+    """CUDA processes a test starts; killed at the end."""
+    procs: list[CudaProcess] = []
+    yield procs
+    for p in procs:
+        p.kill()
+
+
+def start(
+    started: list[CudaProcess], workdir: Path, environ: dict[str, str], allocs, **kw
+) -> CudaProcess:  # type: ignore[no-untyped-def]
+    p = CudaProcess.start(workdir, environ, allocs, **kw)
+    started.append(p)
+    return p
+
+
+def node_a(tmp_path: Path, **kw: object) -> Path:
+    return write_node(tmp_path / "node-a", [gpu(0)], **kw)  # type: ignore[arg-type]
+
+
+def free_on(environ: dict[str, str], ordinal: int = 0) -> int:
+    return int(ok(control(environ, [["init"], ["mem_info", ordinal]])[1])["free"])
+
+
+def main_thread_syscall(pid: int) -> str:
+    return Path(f"/proc/{pid}/syscall").read_text().split()[0]
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def test_device_queries_answer_what_node_json_says(lib: Path, tmp_path: Path) -> None:
+    gpus = [gpu(0), gpu(1, name="NVIDIA H100", total_memory=80 * GIB, compute_capability=(9, 1))]
+    root = write_node(tmp_path / "n", gpus, driver_version=13040)
+    res = control(libcuda.env(lib, root), [["init"], ["version"], ["devices"]])
+    assert ok(res[1]) == 13040
+    assert ok(res[2]) == [
+        {
+            "name": g["name"],
+            "uuid": g["uuid"],
+            "total_memory": g["total_memory"],
+            "pci_bus_id": g["pci_bus_id"],
+            "compute_capability": g["compute_capability"],
+        }
+        for g in gpus
+    ]
+
+
+def test_cuda_visible_devices_selects_and_orders_gpus_and_stops_at_an_unknown_entry(
+    lib: Path, tmp_path: Path
+) -> None:
+    gpus = [gpu(0), gpu(1), gpu(2)]
+    root = write_node(tmp_path / "n", gpus)
+    for visible, want in [
+        ("2,0", [2, 0]),
+        (gpus[1]["uuid"][:12], [1]),  # a unique UUID prefix
+        ("1,7,0", [1]),  # 7 names no GPU: the list ends there
+    ]:
+        res = control(libcuda.env(lib, root, CUDA_VISIBLE_DEVICES=visible), [["init"], ["devices"]])
+        assert [d["uuid"] for d in ok(res[1])] == [gpus[i]["uuid"] for i in want], visible
+    res = control(libcuda.env(lib, root, CUDA_VISIBLE_DEVICES=""), [["init"]])
+    assert err(res[0]) == "CUDA_ERROR_NO_DEVICE"
+
+
+def test_init_without_a_node_or_with_a_broken_node_json_finds_no_device(
+    lib: Path, tmp_path: Path
+) -> None:
+    assert err(control(libcuda.env(lib, None), [["init"]])[0]) == "CUDA_ERROR_NO_DEVICE"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "node.json").write_text('{"driver_version": 13000, "gpus": [')
+    assert err(control(libcuda.env(lib, broken), [["init"]])[0]) == "CUDA_ERROR_NO_DEVICE"
+
+
+def test_get_proc_address_resolves_by_name_and_cuda_version(lib: Path, tmp_path: Path) -> None:
+    plain = libcuda.env(lib, node_a(tmp_path))
+    custom = libcuda.env(lib, write_node(tmp_path / "cs", [gpu(0)], custom_storage=True))
+    ops = [
+        ["proc_address", "cuCheckpointProcessLock", 12080],
+        ["proc_address", "cuCheckpointProcessLock", 12000],
+        ["proc_address", "cuNoSuchCall", 13000],
+        ["proc_address", "cuCheckpointOperationComplete", 13040],
+    ]
+    lock, too_old, unknown, complete = (ok(r) for r in control(plain, ops))
+    assert lock == {
+        "result": "CUDA_SUCCESS",
+        "found": True,
+        "status": "CU_GET_PROC_ADDRESS_SUCCESS",
+    }
+    # cuda-bindings returns no status with an error: NOT_FOUND and no pointer is what shows.
+    for missing in (too_old, unknown, complete):
+        assert missing["result"] == "CUDA_ERROR_NOT_FOUND" and not missing["found"], missing
+    assert ok(control(custom, ops[3:])[0])["found"]
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+def test_memory_calls_without_a_current_context_fail_with_invalid_context(
+    lib: Path, tmp_path: Path
+) -> None:
+    e = libcuda.env(lib, node_a(tmp_path))
+    no_ctx = [
+        ["mem_alloc", 4096],
+        ["host_register", 4096],
+        ["stream_create", 0],
+        ["current_mem_info"],
+    ]
+    res = control(e, [["init"], *no_ctx, ["retain", 0], *no_ctx, ["clear_current"], *no_ctx])
+    assert [err(r) for r in res[1:5]] == ["CUDA_ERROR_INVALID_CONTEXT"] * 4
+    assert all("ok" in r for r in res[5:10])
+    assert [err(r) for r in res[11:]] == ["CUDA_ERROR_INVALID_CONTEXT"] * 4
+
+
+def test_copies_and_memset_move_bytes_synchronously_and_on_streams(
+    lib: Path, tmp_path: Path
+) -> None:
+    e = libcuda.env(lib, node_a(tmp_path))
+    data = os.urandom(3 * MIB)
+    n = len(data)
+    a, b = {"ref": 2}, {"ref": 3}
+    res = control(
+        e,
+        [
+            ["init"],
+            ["retain", 0],
+            ["mem_alloc", n],  # 2
+            ["mem_alloc", n],  # 3
+            ["htod", a, data.hex()],
+            ["dtod", b, a, n],
+            ["memset", b, 0xAB, 4096],
+            ["dtoh", b, n],  # 7
+            ["stream_create", 1],  # 8: stream 1
+            ["memset_async", a, 0x5A, 100, 1],
+            ["dtoh_async", a, n, 1],  # 10
+            ["stream_sync", 1],
+            ["take", {"ref": 10}],  # 12
+            ["dtoh", {"ref": 2, "add": n - 10}, 11],  # one byte past the allocation
+            ["mem_alloc", 0],
+            ["mem_free", a],
+            ["mem_free", a],  # twice
+        ],
+    )
+    assert all("ok" in r for r in res[:13]), res
+    assert bytes.fromhex(ok(res[7])) == b"\xab" * 4096 + data[4096:]
+    assert bytes.fromhex(ok(res[12])) == b"\x5a" * 100 + data[100:]
+    assert [err(r) for r in res[13:15]] == ["CUDA_ERROR_INVALID_VALUE"] * 2
+    assert "ok" in res[15] and err(res[16]) == "CUDA_ERROR_INVALID_VALUE"
+
+
+def test_host_registration_refuses_overlaps_and_unknown_pointers(lib: Path, tmp_path: Path) -> None:
+    e = libcuda.env(lib, node_a(tmp_path))
+    res = control(
+        e,
+        [
+            ["init"],
+            ["retain", 0],
+            ["host_register", 8192],  # 2
+            ["host_unregister", {"ref": 2}],
+            ["host_unregister", {"ref": 2}],
+        ],
+    )
+    assert "ok" in res[3]
+    assert err(res[4]) == "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"
+
+
+def test_two_processes_on_one_node_share_free_memory_and_another_node_does_not(
+    lib: Path, tmp_path: Path, started: list[CudaProcess]
+) -> None:
+    ea = libcuda.env(lib, node_a(tmp_path))
+    eb = libcuda.env(lib, write_node(tmp_path / "node-b", [gpu(0, uuid=B0)]))
+    total = 141 * GIB
+    assert free_on(ea) == free_on(eb) == total
+    p = start(started, tmp_path / "p", ea, [(0, 5 * MIB), (0, 3 * MIB)])
+    assert free_on(ea) == total - 8 * MIB
+    assert free_on(eb) == total
+    assert p.command("mem_info", 0)["free"] == total - 8 * MIB
+    p.kill()  # a process that dies frees its device memory, as on a GPU
+    assert free_on(ea) == total
