@@ -9,7 +9,8 @@ with one root sees the same GPUs and shares their memory, two roots are two node
 - ``CudaProcess.start(...)``: a CUDA process (``target.py``) holding device memory with
   known content; it answers commands through files, so CRIU can dump and restore it.
 - ``control(env, ops)``: run driver calls (``ctl.py``) in a fresh process, e.g. the
-  checkpoint calls on another pid, and get one result per call.
+  checkpoint calls on another pid, and get one result per call; ``free_memory`` and
+  ``checkpoint`` are the two sequences tests need most.
 
 The test process itself never loads the library.
 """
@@ -32,6 +33,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT_ENV = "GPUSNAP_FAKE_CUDA_ROOT"
 GIB = 2**30
+MIB = 2**20
 TIMEOUT = 120.0  # hang guard only, never a performance expectation
 
 
@@ -66,6 +68,11 @@ def gpu(
     }
 
 
+# GPU UUIDs tests give the GPUs of a first node ("a", gpu(i)'s default) and of a second one.
+A0 = "GPU-00000000-0000-4000-8000-000000000000"
+B0, B1 = "GPU-b0b0b0b0-0000-4000-8000-00000000000b", "GPU-b1b1b1b1-0000-4000-8000-00000000000b"
+
+
 def write_node(
     root: Path,
     gpus: list[dict[str, Any]],
@@ -88,6 +95,11 @@ def write_node(
     }
     (root / "node.json").write_text(json.dumps(doc, indent=1))
     return root
+
+
+def one_gpu_node(tmp_path: Path, **kw: Any) -> Path:
+    """``tmp_path/node-a``: one default H200 (UUID ``A0``)."""
+    return write_node(tmp_path / "node-a", [gpu(0)], **kw)
 
 
 def env(lib_dir: Path, root: Path | None, **extra: str) -> dict[str, str]:
@@ -135,6 +147,18 @@ def err(result: dict[str, Any]) -> str:
     """The CUDA error of a failed ``control`` result."""
     assert "error" in result, result
     return str(result["error"])
+
+
+def free_memory(environ: dict[str, str], ordinal: int = 0) -> int:
+    """Free device memory of GPU ``ordinal`` as a new process on that node sees it."""
+    return int(ok(control(environ, [["init"], ["mem_info", ordinal]])[1])["free"])
+
+
+def checkpoint(environ: dict[str, str], pid: int) -> None:
+    """Lock and checkpoint ``pid`` from another process; it ends CHECKPOINTED."""
+    res = control(environ, [["lock", pid, 0], ["checkpoint", pid], ["state", pid]])
+    if res[2].get("ok") != "CHECKPOINTED":
+        raise RuntimeError(f"checkpoint of {pid} failed: {res}")
 
 
 def wait_for(ready: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
@@ -239,3 +263,6 @@ class CudaProcess:
     def reaped(self) -> None:
         """The original was reaped elsewhere (e.g. CRIU killed it and we waited)."""
         self._reaped = True
+
+
+Spawn = Callable[..., CudaProcess]  # the ``spawn`` fixture: (workdir, env, allocs, **kw)

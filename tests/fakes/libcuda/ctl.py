@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
 import time
 import uuid as uuidlib
@@ -203,6 +204,9 @@ class Ctl:
             check(cu.cuCheckpointOperationComplete(handle))
         return mapped
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
@@ -271,6 +275,9 @@ class Ctl:
         self.buffers[ctypes.addressof(buf)] = buf
         check(cu.cuMemHostRegister(ctypes.addressof(buf), size, cu.CU_MEMHOSTREGISTER_PORTABLE))
         return ctypes.addressof(buf)
+
+    def host_register_at(self, address: int, size: int) -> None:
+        check(cu.cuMemHostRegister(address, size, cu.CU_MEMHOSTREGISTER_PORTABLE))
 
     def host_unregister(self, address: int) -> None:
         check(cu.cuMemHostUnregister(address))

@@ -1,66 +1,28 @@
-"""The fake libcuda.so.1, driven through the real cuda-bindings in real processes.
+"""The fake libcuda.so.1 through the real cuda-bindings: devices, contexts, memory, streams.
 
-Each test starts CUDA processes (``target.py``) on fake nodes and acts on them from other
-processes (``ctl.py``), as cuda-checkpoint and gpusnapd's worker do; the CRIU test dumps and
-restores a checkpointed one with the real CRIU. docs/gpu.md ("The fake driver") lists the
-rules checked here and where each comes from.
+Every call runs in a process of its own (``ctl.py``) on a fake node; docs/gpu.md ("The fake
+driver") lists the rules checked here and where each comes from.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests.fakes import libcuda
-from tests.fakes.libcuda import GIB, CudaProcess, control, err, gpu, ok, wait_for, write_node
-
-MIB = 2**20
-A0 = gpu(0)["uuid"]
-B0, B1 = "GPU-b0b0b0b0-0000-4000-8000-00000000000b", "GPU-b1b1b1b1-0000-4000-8000-00000000000b"
-
-
-@pytest.fixture(scope="session")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The library, built once per session into a temporary directory."""
-    if shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler or make here (scripts/bootstrap.sh installs them)")
-    return libcuda.build(tmp_path_factory.mktemp("libcuda"))
-
-
-@pytest.fixture
-def started() -> Iterator[list[CudaProcess]]:
-    """CUDA processes a test starts; killed at the end."""
-    procs: list[CudaProcess] = []
-    yield procs
-    for p in procs:
-        p.kill()
-
-
-def start(
-    started: list[CudaProcess], workdir: Path, environ: dict[str, str], allocs, **kw
-) -> CudaProcess:  # type: ignore[no-untyped-def]
-    p = CudaProcess.start(workdir, environ, allocs, **kw)
-    started.append(p)
-    return p
-
-
-def node_a(tmp_path: Path, **kw: object) -> Path:
-    return write_node(tmp_path / "node-a", [gpu(0)], **kw)  # type: ignore[arg-type]
-
-
-def free_on(environ: dict[str, str], ordinal: int = 0) -> int:
-    return int(ok(control(environ, [["init"], ["mem_info", ordinal]])[1])["free"])
-
-
-def main_thread_syscall(pid: int) -> str:
-    return Path(f"/proc/{pid}/syscall").read_text().split()[0]
-
+from tests.fakes.libcuda import (
+    B0,
+    GIB,
+    MIB,
+    Spawn,
+    control,
+    err,
+    free_memory,
+    gpu,
+    ok,
+    one_gpu_node,
+    write_node,
+)
 
 # -- devices ---------------------------------------------------------------------------------
 
@@ -109,7 +71,7 @@ def test_init_without_a_node_or_with_a_broken_node_json_finds_no_device(
 
 
 def test_get_proc_address_resolves_by_name_and_cuda_version(lib: Path, tmp_path: Path) -> None:
-    plain = libcuda.env(lib, node_a(tmp_path))
+    plain = libcuda.env(lib, one_gpu_node(tmp_path))
     custom = libcuda.env(lib, write_node(tmp_path / "cs", [gpu(0)], custom_storage=True))
     ops = [
         ["proc_address", "cuCheckpointProcessLock", 12080],
@@ -135,7 +97,7 @@ def test_get_proc_address_resolves_by_name_and_cuda_version(lib: Path, tmp_path:
 def test_memory_calls_without_a_current_context_fail_with_invalid_context(
     lib: Path, tmp_path: Path
 ) -> None:
-    e = libcuda.env(lib, node_a(tmp_path))
+    e = libcuda.env(lib, one_gpu_node(tmp_path))
     no_ctx = [
         ["mem_alloc", 4096],
         ["host_register", 4096],
@@ -151,7 +113,7 @@ def test_memory_calls_without_a_current_context_fail_with_invalid_context(
 def test_copies_and_memset_move_bytes_synchronously_and_on_streams(
     lib: Path, tmp_path: Path
 ) -> None:
-    e = libcuda.env(lib, node_a(tmp_path))
+    e = libcuda.env(lib, one_gpu_node(tmp_path))
     data = os.urandom(3 * MIB)
     n = len(data)
     a, b = {"ref": 2}, {"ref": 3}
@@ -185,31 +147,36 @@ def test_copies_and_memset_move_bytes_synchronously_and_on_streams(
 
 
 def test_host_registration_refuses_overlaps_and_unknown_pointers(lib: Path, tmp_path: Path) -> None:
-    e = libcuda.env(lib, node_a(tmp_path))
+    e = libcuda.env(lib, one_gpu_node(tmp_path))
     res = control(
         e,
         [
             ["init"],
             ["retain", 0],
             ["host_register", 8192],  # 2
+            ["host_register_at", {"ref": 2, "add": 4096}, 4096],  # inside the first
+            ["host_unregister", {"ref": 2, "add": 4096}],  # not where a registration starts
             ["host_unregister", {"ref": 2}],
-            ["host_unregister", {"ref": 2}],
+            ["host_unregister", {"ref": 2}],  # twice
+            ["host_register_at", {"ref": 2, "add": 4096}, 4096],  # free again
         ],
     )
-    assert "ok" in res[3]
+    assert err(res[3]) == "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"
     assert err(res[4]) == "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"
+    assert "ok" in res[5] and "ok" in res[7]
+    assert err(res[6]) == "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"
 
 
 def test_two_processes_on_one_node_share_free_memory_and_another_node_does_not(
-    lib: Path, tmp_path: Path, started: list[CudaProcess]
+    lib: Path, tmp_path: Path, spawn: Spawn
 ) -> None:
-    ea = libcuda.env(lib, node_a(tmp_path))
+    ea = libcuda.env(lib, one_gpu_node(tmp_path))
     eb = libcuda.env(lib, write_node(tmp_path / "node-b", [gpu(0, uuid=B0)]))
     total = 141 * GIB
-    assert free_on(ea) == free_on(eb) == total
-    p = start(started, tmp_path / "p", ea, [(0, 5 * MIB), (0, 3 * MIB)])
-    assert free_on(ea) == total - 8 * MIB
-    assert free_on(eb) == total
+    assert free_memory(ea) == free_memory(eb) == total
+    p = spawn(tmp_path / "p", ea, [(0, 5 * MIB), (0, 3 * MIB)])
+    assert free_memory(ea) == total - 8 * MIB
+    assert free_memory(eb) == total
     assert p.command("mem_info", 0)["free"] == total - 8 * MIB
     p.kill()  # a process that dies frees its device memory, as on a GPU
-    assert free_on(ea) == total
+    assert free_memory(ea) == total
