@@ -39,8 +39,11 @@ def test_criu_dumps_a_checkpointed_process_and_it_comes_back_on_another_node_byt
     ea = libcuda.env(lib, root_a)
     eb = libcuda.env(lib, write_node(tmp_path / "node-b", [gpu(0, uuid=B0)]))
     p = spawn(tmp_path / "p", ea, [(0, 6 * MIB), (0, MIB + 3)])
+    p.command("async_copy", 0, MIB)  # a stream, and its thread, live through it all
     before = p.command("digest")
     tid = ok(control(ea, [["restore_tid", p.pid]])[0])
+    threads = p.threads()
+    assert list(threads.values()).count("cuda-stream") == 1
     checkpoint(ea, p.pid)
     # What CRIU will see: nothing of the node held open or mapped, device memory in host memory.
     held = [os.readlink(f) for f in Path(f"/proc/{p.pid}/fd").iterdir()]
@@ -59,7 +62,7 @@ def test_criu_dumps_a_checkpointed_process_and_it_comes_back_on_another_node_byt
         sibling=True,
     )
     assert restored.pid == p.pid
-    assert tid in p.threads()  # the restore thread came back with it
+    assert p.threads() == threads  # the restore thread and the stream's came back with it
     res = control(
         eb,
         [
@@ -82,6 +85,7 @@ def test_criu_dumps_a_checkpointed_process_and_it_comes_back_on_another_node_byt
     after = p.command("digest")
     assert [a["sha256"] for a in after["allocs"]] == [a["sha256"] for a in before["allocs"]]
     assert all(a["intact"] and a["uuid"] == B0 for a in after["allocs"])
-    assert free_memory(eb) == 141 * GIB - 7 * MIB - 3
+    assert free_memory(eb) == 141 * GIB - 8 * MIB - 3
+    p.command("synchronize")
     os.kill(p.pid, 9)
     os.waitpid(p.pid, 0)  # --restore-sibling made it our child
