@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -267,3 +268,19 @@ def test_copies_checkpoints_and_restores_take_at_least_their_bytes_over_copy_gbp
     q.command("async_copy", 0, 50 * MIB)  # 50 s at 1 MB/s
     with pytest.raises(subprocess.TimeoutExpired):
         control(slow, [["lock", q.pid, 0]], timeout=1.0)
+
+
+def test_a_target_that_cannot_run_hangs_its_caller_but_its_state_stays_readable(
+    lib: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    e = libcuda.env(lib, one_gpu_node(tmp_path))
+    p = spawn(tmp_path / "p", e, [(0, MIB)])
+    os.kill(p.pid, signal.SIGSTOP)  # its restore thread cannot run (a CRIU freeze is the same)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            control(e, [["lock", p.pid, 0]], timeout=2.0)  # the caller's own deadline is the bound
+        assert ok(control(e, [["state", p.pid]])[0]) == "RUNNING"
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    # The request reached it before its caller died: it is carried out once the target runs.
+    wait_for(lambda: ok(control(e, [["state", p.pid]])[0]) == "LOCKED", "the lock to land")
