@@ -22,6 +22,7 @@ from tests.fakes.libcuda import (
     GIB,
     MIB,
     Spawn,
+    add_fault,
     checkpoint,
     control,
     err,
@@ -284,3 +285,34 @@ def test_a_target_that_cannot_run_hangs_its_caller_but_its_state_stays_readable(
         os.kill(p.pid, signal.SIGCONT)
     # The request reached it before its caller died: it is carried out once the target runs.
     wait_for(lambda: ok(control(e, [["state", p.pid]])[0]) == "LOCKED", "the lock to land")
+
+
+def test_injected_faults_fail_or_hang_the_chosen_calls_a_given_number_of_times(
+    lib: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    root = one_gpu_node(tmp_path)
+    e = libcuda.env(lib, root)
+    p = spawn(tmp_path / "p", e, [(0, MIB)])
+    q = spawn(tmp_path / "q", e, [(0, MIB)])
+    add_fault(root, "cuCheckpointProcessCheckpoint", pid=q.pid, error="CUDA_ERROR_UNKNOWN")
+    res = control(
+        e,
+        [
+            ["lock", p.pid, 0],
+            ["lock", q.pid, 0],
+            ["checkpoint", p.pid],
+            ["checkpoint", q.pid],  # 3: the fault, before anything happened
+            ["state", q.pid],
+            ["checkpoint", q.pid],  # once only
+        ],
+    )
+    assert "ok" in res[2] and err(res[3]) == "CUDA_ERROR_UNKNOWN"
+    assert ok(res[4]) == "LOCKED" and "ok" in res[5]
+    # "after": the driver did it, then never answered.
+    add_fault(root, "cuCheckpointProcessRestore", pid=p.pid, hang_s=600, after=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        control(e, [["init"], ["restore", p.pid, None]], timeout=3.0)
+    assert ok(control(e, [["state", p.pid]])[0]) == "LOCKED"
+    add_fault(root, "cuInit", error="CUDA_ERROR_NO_DEVICE", times=2)
+    res = [control(e, [["init"]])[0] for _ in range(3)]
+    assert [r.get("error") for r in res] == ["CUDA_ERROR_NO_DEVICE"] * 2 + [None]

@@ -97,6 +97,34 @@ def write_node(
     return root
 
 
+def add_fault(
+    root: Path,
+    call: str,
+    *,
+    pid: int | None = None,
+    error: str | None = None,
+    hang_s: float = 0.0,
+    after: bool = False,
+    times: int = 1,
+) -> None:
+    """Make the next ``times`` calls of ``call`` on node ``root`` hang and/or fail.
+
+    A test knob of the fake, not driver behaviour (faults.c): ``after`` makes the call do its
+    work first, as a driver that acted and then never answered. Takes effect at once, also
+    in processes already running.
+    """
+    doc = json.loads((root / "node.json").read_text())
+    fault: dict[str, Any] = {"call": call, "hang_s": hang_s, "after": after, "times": times}
+    if pid is not None:
+        fault["pid"] = pid
+    if error is not None:
+        fault["error"] = error
+    doc.setdefault("faults", []).append(fault)
+    tmp = root / "node.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.rename(root / "node.json")
+
+
 def one_gpu_node(tmp_path: Path, **kw: Any) -> Path:
     """``tmp_path/node-a``: one default H200 (UUID ``A0``)."""
     return write_node(tmp_path / "node-a", [gpu(0)], **kw)

@@ -199,7 +199,7 @@ static int zeroed(const void *p, size_t n) {
     return 1;
 }
 
-EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state) {
+static CUresult CheckpointProcessGetState_impl(int pid, CUprocessState *state) {
     struct target t;
     struct mailbox hdr;
     if (!state)
@@ -210,7 +210,7 @@ EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state) {
     return r;
 }
 
-EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
+static CUresult CheckpointProcessGetRestoreThreadId_impl(int pid, int *tid) {
     struct target t;
     struct mailbox hdr;
     if (!tid)
@@ -223,7 +223,7 @@ EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
     return r;
 }
 
-EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
+static CUresult CheckpointProcessLock_impl(int pid, CUcheckpointLockArgs *args) {
     struct request req = {.op = OP_LOCK};
     struct response resp;
     if (args) {
@@ -234,7 +234,7 @@ EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
     return call(pid, &req, &resp);
 }
 
-EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
+static CUresult CheckpointProcessUnlock_impl(int pid, CUcheckpointUnlockArgs *args) {
     struct request req = {.op = OP_UNLOCK};
     struct response resp;
     if (args && !zeroed(args, sizeof(*args)))
@@ -344,7 +344,7 @@ static CUresult custom_storage_call(int pid, struct request *req, CUcheckpointCu
     return r;
 }
 
-EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
+static CUresult CheckpointProcessCheckpoint_impl(int pid, CUcheckpointCheckpointArgs *args) {
     struct request req = {.op = OP_CHECKPOINT};
     struct response resp;
     if (args && !zeroed(args->reserved, sizeof(args->reserved)))
@@ -356,7 +356,7 @@ EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArg
     return call(pid, &req, &resp);
 }
 
-EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
+static CUresult CheckpointProcessRestore_impl(int pid, CUcheckpointRestoreArgs *args) {
     struct request req = {.op = OP_RESTORE};
     struct response resp;
     /* "requires persistence mode to be enabled or cuInit to have been called" (the fake has
@@ -382,7 +382,7 @@ EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *arg
     return call(pid, &req, &resp);
 }
 
-EXPORT CUresult cuCheckpointOperationComplete(CUcheckpointOperationHandle handle) {
+static CUresult CheckpointOperationComplete_impl(CUcheckpointOperationHandle handle) {
     CUresult r = ready();
     if (r != CUDA_SUCCESS)
         return r;
@@ -415,4 +415,34 @@ EXPORT CUresult cuCheckpointOperationComplete(CUcheckpointOperationHandle handle
     op->magic = 0;
     free(op);
     return r;
+}
+
+/* The exported entry points: the calls above, under the fault knob (faults.c). */
+
+EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state) {
+    FAULTED("cuCheckpointProcessGetState", pid, CheckpointProcessGetState_impl(pid, state));
+}
+
+EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
+    FAULTED("cuCheckpointProcessGetRestoreThreadId", pid, CheckpointProcessGetRestoreThreadId_impl(pid, tid));
+}
+
+EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
+    FAULTED("cuCheckpointProcessLock", pid, CheckpointProcessLock_impl(pid, args));
+}
+
+EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
+    FAULTED("cuCheckpointProcessUnlock", pid, CheckpointProcessUnlock_impl(pid, args));
+}
+
+EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
+    FAULTED("cuCheckpointProcessCheckpoint", pid, CheckpointProcessCheckpoint_impl(pid, args));
+}
+
+EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
+    FAULTED("cuCheckpointProcessRestore", pid, CheckpointProcessRestore_impl(pid, args));
+}
+
+EXPORT CUresult cuCheckpointOperationComplete(CUcheckpointOperationHandle handle) {
+    FAULTED("cuCheckpointOperationComplete", 0, CheckpointOperationComplete_impl(handle));
 }

@@ -321,6 +321,17 @@ extern struct mailbox MB;
 int start_restore_thread(void);
 int wake_signal(void);
 
+/* faults.c: node.json "faults", a test knob */
+int fault_before(const char *call, int pid, CUresult *out);
+CUresult fault_after(const char *call, int pid, CUresult result);
+#define FAULTED(call, pid, expr)                                                                   \
+    do {                                                                                           \
+        CUresult fault_result_;                                                                    \
+        if (fault_before(call, pid, &fault_result_))                                               \
+            return fault_result_;                                                                  \
+        return fault_after(call, pid, (expr));                                                     \
+    } while (0)
+
 /* errors.c */
 const char *error_name(CUresult e);
 const char *error_string(CUresult e);

@@ -219,22 +219,22 @@ out:
 }
 
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
-    return transfer(H2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 0, NULL);
+    FAULTED("cuMemcpyHtoD", 0, transfer(H2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 0, NULL));
 }
 EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
-    return transfer(D2H, (uintptr_t)dst, (uintptr_t)src, n, 0, 0, NULL);
+    FAULTED("cuMemcpyDtoH", 0, transfer(D2H, (uintptr_t)dst, (uintptr_t)src, n, 0, 0, NULL));
 }
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    return transfer(D2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 0, NULL);
+    FAULTED("cuMemcpyDtoD", 0, transfer(D2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 0, NULL));
 }
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
-    return transfer(H2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 1, s);
+    FAULTED("cuMemcpyHtoDAsync", 0, transfer(H2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 1, s));
 }
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
-    return transfer(D2H, (uintptr_t)dst, (uintptr_t)src, n, 0, 1, s);
+    FAULTED("cuMemcpyDtoHAsync", 0, transfer(D2H, (uintptr_t)dst, (uintptr_t)src, n, 0, 1, s));
 }
 EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-    return transfer(D2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 1, s);
+    FAULTED("cuMemcpyDtoDAsync", 0, transfer(D2D, (uintptr_t)dst, (uintptr_t)src, n, 0, 1, s));
 }
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
     return transfer(SET, (uintptr_t)dst, 0, n, value, 0, NULL);

@@ -66,6 +66,9 @@ static void do_init(void) {
 }
 
 EXPORT CUresult cuInit(unsigned int flags) {
+    CUresult injected;
+    if (fault_before("cuInit", 0, &injected))
+        return injected;
     if (flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (G.forked)
