@@ -82,6 +82,15 @@ typedef struct {
     char reserved[40];
 } CUcheckpointRestoreArgs;
 
+/* "All Args structs stay 64 bytes": cuda.h 13.4 and cuda-bindings 13.5 (cydriver.pxd). */
+_Static_assert(sizeof(CUcheckpointLockArgs) == 64, "LockArgs");
+_Static_assert(sizeof(CUcheckpointUnlockArgs) == 64, "UnlockArgs");
+_Static_assert(sizeof(CUcheckpointCheckpointArgs) == 64, "CheckpointArgs");
+_Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "RestoreArgs");
+_Static_assert(offsetof(CUcheckpointRestoreArgs, customStorageInfo_out) == 16, "RestoreArgs");
+_Static_assert(sizeof(CUcheckpointGpuPair) == 32, "GpuPair");
+_Static_assert(sizeof(CUcheckpointCustomStoragePerDeviceData) == 24, "PerDeviceData");
+
 enum {
     CUDA_SUCCESS = 0,
     CUDA_ERROR_INVALID_VALUE = 1,
@@ -154,6 +163,7 @@ int node_publish(const char *root, const uint64_t mine[MAX_GPUS]);
 uint64_t proc_starttime(int pid);
 int same_process(int pid, uint64_t start);
 int parse_uuid(const char *text, unsigned char out[16]);
+char *read_file(const char *path, size_t *len);
 
 /* json.c: just enough JSON for node.json */
 enum json_type { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ };

@@ -20,32 +20,6 @@
 #include <time.h>
 #include <unistd.h>
 
-static char *slurp(const char *path) {
-    FILE *f = fopen(path, "re");
-    if (!f)
-        return NULL;
-    char *buf = NULL;
-    size_t cap = 0, n = 0, k;
-    char chunk[4096];
-    while ((k = fread(chunk, 1, sizeof(chunk), f)) > 0) {
-        if (n + k + 1 > cap) {
-            char *more = realloc(buf, cap = (n + k + 1) * 2);
-            if (!more) {
-                free(buf);
-                fclose(f);
-                return NULL;
-            }
-            buf = more;
-        }
-        memcpy(buf + n, chunk, k);
-        n += k;
-    }
-    fclose(f);
-    if (buf)
-        buf[n] = '\0';
-    return buf;
-}
-
 static CUresult code_of(const char *name) {
     for (CUresult e = 0; e < 1000; e++) {
         const char *n = error_name(e);
@@ -80,7 +54,7 @@ static int find(const char *call, int pid, int after, CUresult *error, double *h
         return 0;
     char path[PATH_MAX + 16];
     snprintf(path, sizeof(path), "%s/node.json", G.cfg.root);
-    char *text = slurp(path);
+    char *text = read_file(path, NULL);
     if (!text)
         return 0;
     struct json *doc = json_parse(text, NULL, 0);

@@ -30,7 +30,8 @@ struct usage {
     uint64_t bytes[MAX_GPUS];
 };
 
-static char *read_file(const char *path, size_t *len) {
+/* A whole file, NUL-terminated (malloc'd), or NULL. */
+char *read_file(const char *path, size_t *len) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return NULL;
