@@ -180,3 +180,19 @@ def test_two_processes_on_one_node_share_free_memory_and_another_node_does_not(
     assert p.command("mem_info", 0)["free"] == total - 8 * MIB
     p.kill()  # a process that dies frees its device memory, as on a GPU
     assert free_memory(ea) == total
+
+
+def test_a_retained_context_holds_context_memory_until_released(
+    lib: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    root = write_node(tmp_path / "n", [gpu(0), gpu(1)], context_memory=256 * MIB)
+    e = libcuda.env(lib, root)
+    total = 141 * GIB
+    res = control(e, [["init"], ["mem_info", 0], ["mem_info", 1], ["release", 1], ["mem_info", 0]])
+    # Each caller's own context counts, on each GPU it retained one on.
+    assert [ok(r)["free"] for r in (res[1], res[2], res[4])] == [total - 256 * MIB] * 3
+    p = spawn(tmp_path / "p", e, [(0, MIB)])
+    assert free_memory(e, 0) == total - 2 * 256 * MIB - MIB  # its context and ours
+    assert free_memory(e, 1) == total - 256 * MIB  # only ours
+    libcuda.checkpoint(e, p.pid)
+    assert free_memory(e, 0) == total - 256 * MIB  # its context went with its memory
