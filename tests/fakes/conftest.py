@@ -25,9 +25,18 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return libcuda.build(tmp_path_factory.mktemp("libcuda"))
 
 
+def _ptrace_scope() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
 @pytest.fixture
 def spawn() -> Iterator[Spawn]:
     """``spawn(workdir, env, allocs, **kw)``: a started CUDA process, killed at the end."""
+    if os.geteuid() != 0 and _ptrace_scope() >= 1:
+        pytest.skip("the checkpoint calls need ptrace rights over their target (Yama forbids)")
     procs: list[CudaProcess] = []
 
     def start(workdir: Path, environ: dict[str, str], allocs: Any, **kw: Any) -> CudaProcess:
