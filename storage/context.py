@@ -6,12 +6,12 @@ chunk index, the worker pools and the tunables of the lock protocol. Each operat
 function whose first argument is the context and which uses only the parts it names: none
 calls back into ``CheckpointStore``, which only holds a context and delegates to them.
 
-``open_context`` builds one, in this order: keys and options (given), codec and chunker, the
-index, then the pools (last: nothing is left running when an earlier step fails). A later
-part that depends on what the store itself says -- a signed config object giving the store's
-id and its chunking parameters, read once at open (issue 12) -- is read right after the
-backend is given and before the index is opened, becomes a field here, and keys the index
-(``index.default_cache_dir``); the keys part grows the set of public keys a node trusts.
+``open_context`` builds one, in this order: keys and options (given), the store's identity
+(one GET of its signed ``config``, ``identity.py``: its id and chunking parameters), codec
+and chunker (the store's chunk sizes where it has a config), the index (bound to the store
+id: an index of another store is emptied), then the pools (last: nothing is left running
+when an earlier step fails). Which signatures the node accepts is the keys' (``StoreKeys``:
+its own key and its trusted public keys).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from gpusnap.storage.backend import Backend
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.identity import IdentityCell, StoreIdentity, read_identity
 from gpusnap.storage.index import ChunkIndex, default_cache_dir
 from gpusnap.storage.keys import StoreKeys
 
@@ -81,7 +82,13 @@ class StoreContext:
     chunker: Chunker
     index: ChunkIndex
     pools: Pools
+    identity: IdentityCell
     options: StoreOptions = StoreOptions()
+
+    @property
+    def store_identity(self) -> StoreIdentity | None:
+        """The store's identity as last read (``None``: it has no usable config yet)."""
+        return self.identity.get()
 
     @property
     def local(self) -> bool:
@@ -104,15 +111,25 @@ def open_context(
     options: StoreOptions | None = None,
 ) -> StoreContext:
     """The context of the store on ``backend``; the backend is the caller's to close on error."""
-    chunker = chunker or Chunker()
+    found = read_identity(backend, keys)
+    if chunker is None:
+        chunker = Chunker(found.identity.chunking) if found.identity else Chunker()
     cache = cache_dir or default_cache_dir(backend.url)
     index = ChunkIndex(cache / "index.sqlite", backend.url)
+    try:
+        if found.identity is not None:
+            index.bind(found.identity.store_id)
+        pools = Pools.start(workers or (os.cpu_count() or 2), chunker.params.max_size)
+    except BaseException:
+        index.close()
+        raise
     return StoreContext(
         backend=backend,
         keys=keys,
         codec=ChunkCodec(keys.encryption),
         chunker=chunker,
         index=index,
-        pools=Pools.start(workers or (os.cpu_count() or 2), chunker.params.max_size),
+        pools=pools,
+        identity=IdentityCell(found),
         options=options or StoreOptions(),
     )
