@@ -310,6 +310,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         out(f"{'ok' if not problems else 'checked'}: {what}")
         for problem in problems:
             out(f"problem: {problem}")
+        for warning in report.warnings:
+            out(f"warning: {warning}")
         if report.index_dropped:
             out(
                 f"the local chunk index forgot {report.index_dropped} chunk(s): the next push "

@@ -36,7 +36,12 @@ from typing import Any
 
 from gpusnap.errors import FailedPrecondition
 from gpusnap.storage.context import StoreContext
-from gpusnap.storage.identity import StoreIdentity, create_identity, read_identity
+from gpusnap.storage.identity import (
+    IdentityRead,
+    StoreIdentity,
+    create_identity,
+    read_identity,
+)
 from gpusnap.storage.layout import chunk_id_of_key, chunk_key, chunk_list_prefixes
 
 log = logging.getLogger(__name__)
@@ -49,28 +54,32 @@ HEADS_PER_LIST_PAGE = 8
 PARALLEL_LIST_ABOVE = 4 * LIST_PAGE_KEYS
 
 
-def refresh_identity(ctx: StoreContext) -> StoreIdentity:
+def refresh_identity(ctx: StoreContext) -> StoreIdentity | None:
     """The store's identity for a push: read again, written if absent, the index bound to it.
 
-    A config this node cannot use (altered, or signed by a key it does not trust) stops
-    the push with that error: its writer may not decide what this node's index is keyed by.
+    ``None`` when the store holds a config this node cannot authenticate (altered, or signed
+    by a key it does not trust): it is not used (``identity.py``), and the index is bound to
+    the config object's digest instead.
     """
     found = read_identity(ctx.backend, ctx.keys)
-    if found.problem is not None:
-        raise found.problem
-    identity = found.identity or create_identity(ctx.backend, ctx.keys, ctx.chunker.params)
-    identity.check_writer(ctx.keys)
-    if identity.chunking != ctx.chunker.params:
-        raise FailedPrecondition(
-            f"the store was made with chunk sizes {identity.chunking}, not the "
-            f"{ctx.chunker.params} this open store cuts with (was it recreated? open it again)"
-        )
-    ctx.identity.set(identity)
-    if ctx.index.bind(identity.store_id):
+    if found.identity is None and found.problem is None:
+        created = create_identity(ctx.backend, ctx.keys, ctx.chunker.params)
+        found = IdentityRead(created, digest=None)
+    identity = found.identity
+    if identity is not None:
+        identity.check_writer(ctx.keys)
+        if identity.chunking != ctx.chunker.params:
+            raise FailedPrecondition(
+                f"the store was made with chunk sizes {identity.chunking}, not the "
+                f"{ctx.chunker.params} this open store cuts with (recreated? open it again)"
+            )
+    ctx.identity.set(found)
+    key = found.index_key
+    if key is not None and ctx.index.bind(key):
         log.info(
-            "%s: store id %s is not the one the chunk index described; it is rebuilt",
+            "%s: the chunk index described another store (now %s); it is rebuilt",
             ctx.backend.url,
-            identity.store_id,
+            key,
         )
     return identity
 

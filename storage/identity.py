@@ -12,9 +12,14 @@ object existed: the migration is "the first push writes it"), with ``if_absent``
 nodes creating a store at once exactly one writes it and the other reads the winner's. It is
 never rewritten. Who trusts it: a node whose signature check accepts its signer (its own key
 or a trusted one, ``keys.StoreKeys``). A config that is altered, unsigned, or signed by a key
-the node does not trust is *not used*: reads go on (they never depend on it), and pushes are
-refused with that error (exit 4), so that a store writer without a trusted key cannot swap
-the identity (or the chunking) that nodes' indexes are keyed by.
+the node does not trust is *not used*, loudly (a warning on every open; ``verify`` reports
+it): its chunk sizes and encryption claims are ignored (the node cuts with its own), and its
+store id is not believed -- the index is keyed by a digest of the config object instead, so
+any change to it still empties the index. A store writer without a trusted key therefore
+cannot steer what nodes do by swapping the config; the worst it gains is what deleting
+objects gains anyway (an index rebuild). Correctness never rests on the config: every push
+proves the chunks it skips (``confirm.py``). A config signed by a retired key that is no
+longer trusted is the same case (docs/design.md, "Rotating a key").
 
 What the identity is for is ``confirm.py``: the local chunk index records the id of the
 store it describes, and is emptied and rebuilt when the store's id is another (or gone).
@@ -29,6 +34,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from blake3 import blake3
 
 from gpusnap.errors import (
     AlreadyExists,
@@ -142,10 +149,19 @@ class StoreIdentity:
 @dataclass(frozen=True)
 class IdentityRead:
     """What reading ``config`` found: an identity, nothing (``None``, ``None``), or a config
-    that cannot be used and why (``None``, the error)."""
+    that cannot be used and why (``None``, the error); ``digest`` names the object's bytes."""
 
     identity: StoreIdentity | None
     problem: GpusnapError | None = None
+    digest: str | None = None
+
+    @property
+    def index_key(self) -> str | None:
+        """What the local index is bound to: the store id of an authenticated config, else
+        the digest of whatever config object is there (``None``: there is none)."""
+        if self.identity is not None:
+            return self.identity.store_id
+        return None if self.digest is None else f"unverified-{self.digest}"
 
 
 def new_identity(keys: StoreKeys, params: ChunkerParams) -> StoreIdentity:
@@ -165,12 +181,18 @@ def read_identity(backend: Backend, keys: StoreKeys) -> IdentityRead:
         blob = backend.get(CONFIG_KEY)
     except NotFound:
         return IdentityRead(None)
+    digest = blake3(blob).hexdigest()[:32]
     try:
         payload = keys.unseal(blob, CONFIG_FORMAT, what="store config")
-        return IdentityRead(StoreIdentity.parse(payload, _signer_of(blob)))
+        return IdentityRead(StoreIdentity.parse(payload, _signer_of(blob)), digest=digest)
     except (Corrupt, FailedPrecondition, Unsupported) as exc:
-        log.warning("%s: store config not used: %s", backend.url, exc)
-        return IdentityRead(None, exc)
+        log.warning(
+            "%s: the store config is not used (%s); this node cuts with its own chunk sizes "
+            "and keys its index by the config object's digest",
+            backend.url,
+            exc,
+        )
+        return IdentityRead(None, exc, digest)
 
 
 def _signer_of(blob: bytes) -> str | None:
@@ -208,14 +230,17 @@ class IdentityCell:
 
     def __init__(self, found: IdentityRead) -> None:
         self._lock = threading.Lock()
-        self._identity = found.identity
-        self.problem = found.problem
+        self._found = found
 
     def get(self) -> StoreIdentity | None:
         with self._lock:
-            return self._identity
+            return self._found.identity
 
-    def set(self, identity: StoreIdentity) -> None:
+    @property
+    def problem(self) -> GpusnapError | None:
         with self._lock:
-            self._identity = identity
-            self.problem = None
+            return self._found.problem
+
+    def set(self, found: IdentityRead) -> None:
+        with self._lock:
+            self._found = found

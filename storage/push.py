@@ -215,7 +215,7 @@ def push_tree(
         chunks_proven=proof.stats.chunks_proven,
         chunks_reuploaded=reuploaded.chunks,
         proof_seconds=round(proof.stats.wait_seconds + reuploaded.proof_seconds, 6),
-        store_id=identity.store_id,
+        store_id=identity.store_id if identity is not None else None,
     )
 
 

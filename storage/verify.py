@@ -27,6 +27,7 @@ from gpusnap.errors import Corrupt, NotFound
 from gpusnap.storage.catalog import find_manifest_key, read_manifest
 from gpusnap.storage.confirm import list_chunk_ids
 from gpusnap.storage.context import StoreContext
+from gpusnap.storage.keys import UntrustedSigner
 from gpusnap.storage.layout import MANIFEST_PREFIX, chunk_key, split_manifest_key
 
 # What a verify without ``read_data`` checked, and what one with it did: the words the CLI
@@ -50,10 +51,21 @@ class VerifyReport:
     # Chunks dropped from (or marked bad in) the local index, so the next push puts them.
     index_dropped: int = 0
     store_id: str | None = None
+    # The store's config object fails its checks (altered, unsigned, malformed): a problem.
+    config_problems: list[str] = field(default_factory=list)
+    # What is worth saying and is not damage: a config signed by a key this node does not
+    # trust (a retired key, say) is not used, and nothing else depends on it.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.chunks_missing or self.chunks_corrupt or self.manifests_bad or self.strays)
+        return not (
+            self.chunks_missing
+            or self.chunks_corrupt
+            or self.manifests_bad
+            or self.strays
+            or self.config_problems
+        )
 
     @property
     def checked(self) -> str:
@@ -62,7 +74,8 @@ class VerifyReport:
     @property
     def problems(self) -> list[str]:
         return (
-            [f"manifest {m}" for m in self.manifests_bad]
+            [f"store config: {c}" for c in self.config_problems]
+            + [f"manifest {m}" for m in self.manifests_bad]
             + [
                 f"stray object {k!r} under {MANIFEST_PREFIX} (not a manifest; ignored)"
                 for k in self.strays
@@ -169,6 +182,11 @@ def verify_store(ctx: StoreContext, ids: list[str] | None, *, read_data: bool) -
     """
     identity = ctx.store_identity
     report = VerifyReport(read_data=read_data, store_id=identity.store_id if identity else None)
+    config_problem = ctx.identity.problem
+    if isinstance(config_problem, UntrustedSigner):
+        report.warnings.append(f"store config not used: {config_problem}")
+    elif config_problem is not None:
+        report.config_problems.append(str(config_problem))
     if ids is None:
         by_id, report.strays = _manifest_keys(ctx)
         keys = list(by_id.values())
