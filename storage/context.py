@@ -117,8 +117,10 @@ def open_context(
     cache = cache_dir or default_cache_dir(backend.url)
     index = ChunkIndex(cache / "index.sqlite", backend.url)
     try:
-        if found.index_key is not None:
-            index.bind(found.index_key)
+        # Only an authenticated identity rebinds (and so may empty) the index here: a reader
+        # that cannot check the config (no key, say) leaves it to the next push.
+        if found.identity is not None:
+            index.bind(found.identity.store_id)
         pools = Pools.start(workers or (os.cpu_count() or 2), chunker.params.max_size)
     except BaseException:
         index.close()
