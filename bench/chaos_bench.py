@@ -77,7 +77,9 @@ def run_one(
         }[name]
         run()
         return store.tally, time.monotonic() - started, None
-    with ChaosProxy(moto.endpoint_url) as proxy:
+    proxy = ChaosProxy(moto.endpoint_url)
+    proxy.start()
+    try:
         bucket = f"chaos-{uuid.uuid4().hex[:12]}"
         store = ChaosStore.on_s3(work, seed, moto, bucket, proxy.endpoint_url)
         {
@@ -86,6 +88,8 @@ def run_one(
             "recreated-s3": lambda: scenarios.store_recreated(store, rng, rounds),
             "removed-s3": lambda: scenarios.chunk_removed(store, rng, rounds),
         }[name]()
+    finally:
+        proxy.stop()
     return store.tally, time.monotonic() - started, None
 
 

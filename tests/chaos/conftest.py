@@ -12,7 +12,7 @@ import os
 import random
 import secrets
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ _ROUNDS = int(os.environ.get("GPUSNAP_CHAOS_ROUNDS") or DEFAULT_ROUNDS)
 
 
 @pytest.fixture
-def chaos(record_property: pytest.RecordProperty) -> ChaosRun:
+def chaos(record_property: Callable[[str, object], None]) -> ChaosRun:
     record_property("chaos_seed", _SEED)
     print(f"chaos seed {_SEED} (replay: GPUSNAP_CHAOS_SEED={_SEED}), {_ROUNDS} rounds")
     return ChaosRun(_SEED, _ROUNDS)
@@ -54,8 +54,12 @@ def moto() -> Iterator[MotoServer]:
 
 @pytest.fixture
 def proxy(moto: MotoServer) -> Iterator[ChaosProxy]:
-    with ChaosProxy(moto.endpoint_url) as chaos_proxy:
+    chaos_proxy = ChaosProxy(moto.endpoint_url)
+    chaos_proxy.start()
+    try:
         yield chaos_proxy
+    finally:
+        chaos_proxy.stop()
 
 
 @pytest.fixture

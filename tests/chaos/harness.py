@@ -134,6 +134,7 @@ class ChaosStore:
     endpoint: str | None = None  # the CLI's (a FaultProxy in front of moto)
     expected: dict[str, dict[str, str]] = field(default_factory=dict)
     tally: Tally = field(default_factory=Tally)
+    last_push_seconds: float = 0.0  # the last push process's run, start to exit
 
     @classmethod
     def on_file(cls, work: Path, seed: int, root: Path | None = None) -> ChaosStore:
@@ -248,6 +249,7 @@ class ChaosStore:
         (exit status, stderr, new checkpoint ids)."""
         tree = digest(image)
         before = self.listed(workload)
+        started = time.monotonic()
         proc = self.start_push(image, workload, parent, node)
         if isinstance(kill, float | int):
             try:
@@ -260,6 +262,7 @@ class ChaosStore:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
         rc, out, err = self.finish(proc)
+        self.last_push_seconds = time.monotonic() - started
         # Pushes of other workloads may commit meanwhile (two nodes at once): only this
         # workload's new checkpoint can be this push's.
         new = self.listed(workload) - before
@@ -362,7 +365,7 @@ class ChaosStore:
             )
             unexplained = [p for p in report.problems if not p.startswith(("missing", "damaged"))]
             self.check(not unexplained and not report.warnings, f"{where}: {report.problems}")
-            self.check(damage or report.ok, f"{where}: verify: {report.problems}")
+            self.check(bool(damage) or report.ok, f"{where}: verify: {report.problems}")
             self.tally.damage_named += len(damage)
             for summary in listed:
                 checkpoint_id = summary.checkpoint_id
