@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from gpusnap.daemon.model import CompatVerdict, Job
+from gpusnap.daemon.jobs.job import Job
+from gpusnap.daemon.verdict import CompatVerdict
 
 
 class DaemonServiceAPI(Protocol):

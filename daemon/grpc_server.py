@@ -30,7 +30,8 @@ from google.protobuf import struct_pb2
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gpusnap.daemon.api import DaemonServiceAPI
-from gpusnap.daemon.model import CompatVerdict, Job
+from gpusnap.daemon.jobs.job import Job
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import (
     ERROR_TABLE,
     AlreadyExists,

@@ -42,7 +42,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
-from gpusnap.daemon.model import CompatVerdict, Job, JobState
+from gpusnap.daemon.jobs.job import Job, JobState
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import (
     AlreadyExists,
     Corrupt,

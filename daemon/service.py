@@ -28,17 +28,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import gpusnap
-from gpusnap.daemon import proctree
+from gpusnap.daemon.checkpoint import CheckpointRequest, RestoreRequest, run_checkpoint, run_restore
 from gpusnap.daemon.config import Config, WorkloadConfig
-from gpusnap.daemon.criu import Criu
-from gpusnap.daemon.flows import CheckpointRequest, RestoreRequest, run_checkpoint, run_restore
-from gpusnap.daemon.gpu_adapter import GpuAdapter, open_gpu
-from gpusnap.daemon.jobs import JobExecutor
-from gpusnap.daemon.journal import Journal
+from gpusnap.daemon.gpu.adapter import GpuAdapter, open_gpu
+from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host.criu import Criu
+from gpusnap.daemon.jobs.executor import JobExecutor
+from gpusnap.daemon.jobs.job import Job, JobKind
+from gpusnap.daemon.jobs.journal import Journal
 from gpusnap.daemon.metrics import METRICS
-from gpusnap.daemon.model import CompatVerdict, Job, JobKind
 from gpusnap.daemon.stamp import NodeFacts, check_compat, gpusnap_stamp, host_stamp
 from gpusnap.daemon.statedir import StateDirLock, prepare_dir
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,

@@ -30,7 +30,7 @@ from typing import Any
 
 import gpusnap
 from gpusnap.daemon.config import WorkloadConfig
-from gpusnap.daemon.model import Reason
+from gpusnap.daemon.verdict import Reason
 from gpusnap.storage.manifest import SCHEMA_VERSION
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gpusnap.daemon.gpu import devmem
+from gpusnap.daemon.gpu import custom_storage
 from gpusnap.daemon.gpu.compat import gpu_compat_reasons, target_devices
 from gpusnap.daemon.gpu.inventory import (
     CHECKPOINT_API_MIN,
@@ -33,7 +33,7 @@ from gpusnap.daemon.gpu.inventory import (
 )
 from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.gpu.worker import CallFailed, GpuWorker
-from gpusnap.daemon.model import Reason
+from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,
@@ -337,13 +337,13 @@ class GpuCoordinator:
         self._worker.call("ring_attach", ring.name, ring.size)
         info = dict(self._worker.call("checkpoint_custom_storage", pid))
         handle = int(info["handle"])
-        log.info("copying GPU memory of process %d (%s)", pid, devmem.describe(info))
+        log.info("copying GPU memory of process %d (%s)", pid, custom_storage.describe(info))
         streams: dict[str, StreamSource] = {}
         files: list[dict[str, Any]] = []
         for position, dev in enumerate(info["devices"]):
             size = int(dev["size"])
-            path = devmem.memory_path(pid, position, str(dev["uuid"]))
-            buffers = devmem.read_device(self._worker, ring, handle, position, size)
+            path = custom_storage.memory_path(pid, position, str(dev["uuid"]))
+            buffers = custom_storage.read_device(self._worker, ring, handle, position, size)
             streams[path] = StreamSource(size, buffers, GPU_MEMORY_KIND)
             files.append(
                 {"pid": pid, "position": position, "uuid": dev["uuid"], "path": path, "size": size}
@@ -568,7 +568,7 @@ class GpuCoordinator:
                         f"GPU {dev['uuid']} maps {dev['size']} bytes for process {pid}, the "
                         f"checkpoint holds {found['size']}"
                     )
-                devmem.fill_device(
+                custom_storage.fill_device(
                     self._worker,
                     ring,
                     handle=handle,

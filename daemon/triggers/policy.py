@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from gpusnap.daemon.model import Job, JobState
+from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.triggers.base import Notice
 from gpusnap.errors import (
     FailedPrecondition,

@@ -14,6 +14,7 @@ import threading
 from typing import Any, Protocol
 
 from gpusnap.daemon import sdnotify
+from gpusnap.daemon.jobs.job import Job
 from gpusnap.daemon.migration import (
     MigrationBoard,
     MigrationClaim,
@@ -23,7 +24,6 @@ from gpusnap.daemon.migration import (
     default_node_id,
     parse_migration_config,
 )
-from gpusnap.daemon.model import CompatVerdict, Job
 from gpusnap.daemon.triggers.base import Notice, TriggerManager
 from gpusnap.daemon.triggers.config import TriggersConfig, build_watchers, parse_triggers_config
 from gpusnap.daemon.triggers.policy import PolicyEngine, drill_notice, parse_workload_policy
@@ -33,6 +33,7 @@ from gpusnap.daemon.triggers.shutdown import (
     sigterm_notice,
     system_is_stopping,
 )
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import FailedPrecondition, GpusnapError
 
 log = logging.getLogger(__name__)

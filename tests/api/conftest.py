@@ -23,15 +23,8 @@ import pytest
 
 from gpusnap.daemon.api import DaemonServiceAPI
 from gpusnap.daemon.grpc_server import start_server, stop_server
-from gpusnap.daemon.model import (
-    CompatVerdict,
-    Job,
-    JobKind,
-    JobState,
-    Phase,
-    Progress,
-    Reason,
-)
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, Progress
+from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import KINDS, NotFound
 
 T0 = 1_700_000_000.25

@@ -8,7 +8,7 @@ import pytest
 
 from gpusnap.cli._client import DaemonClient, job_to_dict
 from gpusnap.daemon.grpc_server import job_to_pb
-from gpusnap.daemon.model import Job, JobKind, JobState, Phase
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from tests.api.conftest import INCOMPATIBLE_ID, T0, FakeService
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import criu as criu_module
-from gpusnap.daemon import proctree
-from gpusnap.daemon.criu import Criu, most_relevant_error, parse_stats
+from gpusnap.daemon.host import criu as criu_module
+from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host.criu import Criu, most_relevant_error, parse_stats
 from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound, Unsupported
 from tests.support import workloads
 from tests.support.workloads import Workload

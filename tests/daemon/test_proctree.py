@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.support import workloads
 from tests.support.workloads import Workload

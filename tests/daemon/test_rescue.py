@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 
-from gpusnap.daemon import flows
+from gpusnap.daemon import checkpoint as flows
 from gpusnap.errors import Unsupported
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.criu import Criu
+from gpusnap.daemon.host.criu import Criu
 from gpusnap.errors import Unsupported
 from gpusnap.storage import generate_signing_key
 from tests.support import workloads

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import Nodes
 from tests.support import workloads
 from tests.support.workloads import Workload

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.cli._client import DaemonClient
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import BIN, Node, Nodes
 from tests.support import workloads
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e_gpu.conftest import GpuNodes
 from tests.fakes.fake_cuda import GIB, default_devices
 from tests.support import workloads

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import HANG_GUARD, Node, Nodes, criu_or_skip
 from tests.support import workloads
 from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials

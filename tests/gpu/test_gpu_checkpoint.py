@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.criu import Criu
 from gpusnap.daemon.gpu import GpuCoordinator
+from gpusnap.daemon.host.criu import Criu
 
 WORKLOAD = Path(__file__).with_name("workload.py")
 STEPS = 300

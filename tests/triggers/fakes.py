@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from gpusnap.daemon.model import Job, JobKind, JobState
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState
 from gpusnap.errors import FailedPrecondition, Unsupported
 
 

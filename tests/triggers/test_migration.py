@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState
 from gpusnap.daemon.migration import (
     MigrationBoard,
     MigrationClaim,
@@ -20,7 +21,7 @@ from gpusnap.daemon.migration import (
     StandbyLoop,
     parse_migration_config,
 )
-from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState, Reason
+from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import Corrupt, InvalidArgument, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpusnap.daemon.model import Job, JobState
+from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.triggers.aws import AwsImdsWatcher
 from gpusnap.daemon.triggers.azure import AzureScheduledEventsWatcher
 from gpusnap.daemon.triggers.base import Notice, TriggerManager

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.model import JobState
+from gpusnap.daemon.jobs.job import JobState
 from gpusnap.daemon.triggers.base import Notice
 from gpusnap.daemon.triggers.policy import PolicyEngine, WorkloadPolicy
 from gpusnap.daemon.triggers.shutdown import LogindInhibitor, StopTimeoutExtender

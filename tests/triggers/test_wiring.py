@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.migration import MigrationConfig
-from gpusnap.daemon.model import CompatVerdict, Job, JobState
 from gpusnap.daemon.triggers.config import TriggersConfig
 from gpusnap.daemon.triggers.wiring import start_triggers
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import FailedPrecondition
 from gpusnap.storage.keys import generate_signing_key
 from gpusnap.storage.manifest import new_checkpoint_id

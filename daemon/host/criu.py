@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,

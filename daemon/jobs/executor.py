@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpusnap.daemon.journal import Journal
-from gpusnap.daemon.model import Job, JobKind, JobState, Phase
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase
+from gpusnap.daemon.jobs.journal import Journal
 from gpusnap.errors import Cancelled, FailedPrecondition, GpusnapError, NotFound
 
 log = logging.getLogger(__name__)

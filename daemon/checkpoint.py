@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpusnap.daemon import coldstart, proctree
 from gpusnap.daemon.config import WorkloadConfig
-from gpusnap.daemon.criu import can_punch_holes, systemd_running
-from gpusnap.daemon.dumpstream import PageImageFollower
-from gpusnap.daemon.jobs import JobContext
-from gpusnap.daemon.model import Phase
+from gpusnap.daemon.host import coldstart, proctree
+from gpusnap.daemon.host.criu import can_punch_holes, systemd_running
+from gpusnap.daemon.host.pagestream import PageImageFollower
+from gpusnap.daemon.jobs.executor import JobContext
+from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.stamp import STAMP_VERSION, file_entry, gpusnap_stamp, identity_stamp
 from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound, with_message
 from gpusnap.storage.streams import GPU_MEMORY_KIND, UploadedStreams

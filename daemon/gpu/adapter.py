@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpusnap.daemon.config import GpuSection
 from gpusnap.daemon.gpu.coordinator import GpuCoordinator
-from gpusnap.daemon.model import Reason
+from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import Unavailable
 
 if TYPE_CHECKING:

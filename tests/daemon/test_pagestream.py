@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.dumpstream import PageImageFollower
+from gpusnap.daemon.host.pagestream import PageImageFollower
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.streams import stream_kinds
 from tests.storage.store_helpers import MiB, bf16_like, file_store, make_keys, random_bytes
