@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not systemd_running():
         # Where PID 1 is not systemd it may reap nothing: adopt the orphans of restored trees
-        # (whose roots are our children, see flows.run_restore) and reap them ourselves.
+        # (whose roots are our children, see restore.run_restore) and reap them ourselves.
         _set_child_subreaper()
     stop = threading.Event()
 

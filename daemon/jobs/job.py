@@ -8,8 +8,18 @@ module free of I/O.
 from __future__ import annotations
 
 import enum
+import re
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+# What ``new_job_id`` makes: the time it was made (UTC) and six hex digits.
+JOB_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")
+
+
+def new_job_id() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 class JobKind(enum.StrEnum):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy
 import pytest
 
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import files, proctree
 from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.support import workloads
 from tests.support.workloads import Workload
@@ -43,24 +44,46 @@ def test_tree_discovery_finds_parent_child_and_thread(
     assert parent.uid == os.getuid() and parent.user
 
 
-def test_open_and_mapped_files_carry_size_and_mtime(
+def test_watched_files_name_each_open_or_mapped_regular_file_with_its_use(
     tmp_path: Path, started: list[Workload]
 ) -> None:
     w = workloads.start_counter(tmp_path, steps=0)
     started.append(w)
     w.wait_steps(2)
-    opened = {f.path: f for f in proctree.open_files(w.pid)}
-    out = str(tmp_path / "out")
-    assert out in opened and str(tmp_path / "stderr") in opened
-    assert "/dev/null" not in opened  # regular files only
-    st = os.stat(out)
-    assert opened[out].mtime_ns <= st.st_mtime_ns and opened[out].size <= st.st_size
-    mapped = {f.path: f for f in proctree.mapped_files(w.pid)}
-    exe = os.path.realpath(sys.executable)
-    assert exe in mapped
-    assert mapped[exe].size == os.stat(exe).st_size
-    assert mapped[exe].mtime_ns == os.stat(exe).st_mtime_ns
-    assert any("libc.so" in p for p in mapped)
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 4096)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; f = open(sys.argv[1], 'rb'); time.sleep(600)",
+            str(weights),
+        ],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _wait_open(reader.pid, str(weights))
+        watched = dict(files.watched_files([w.pid, reader.pid]))
+    finally:
+        reader.kill()
+        reader.wait()
+    # The counter appends to its output and its stderr; the reader only reads.
+    assert watched[str(tmp_path / "out")] == "open-append"
+    assert watched[str(tmp_path / "stderr")] == "open-append"
+    assert watched[str(weights)] == "open-ro"
+    assert not [p for p in watched if p.startswith(("/dev/", "/proc/"))]  # not files of ours
+    assert watched[os.path.realpath(sys.executable)] == "mapped"
+    assert any("libc.so" in p and kind == "mapped" for p, kind in watched.items())
+
+
+def _wait_open(pid: int, path: str) -> None:
+    deadline = time.monotonic() + workloads.DEFAULT_TIMEOUT
+    while time.monotonic() < deadline:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        if any(os.readlink(fd) == path for fd in fd_dir.iterdir()):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not open {path}")
 
 
 def test_launch_spec_records_command_cwd_env_and_user(
