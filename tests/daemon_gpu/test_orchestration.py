@@ -150,17 +150,23 @@ def test_restore_puts_processes_back_and_unlocks(fake, sleepers, make_coordinato
     assert [c["gpu_pairs"] for c in fake.call_args("restore")] == [None, None]
 
 
-def test_restore_out_of_memory_leaves_process_checkpointed_and_raises(
-    fake, sleepers, make_coordinator
-):
+def _checkpointed_then_crowded(fake, sleepers, make_coordinator):
+    """A process holding 100 GiB checkpointed; then another tenant takes 50 GiB of its GPU."""
     (pid,) = sleepers(1)
     dev = default_devices(1)[0]
     fake.add_process(pid, {dev["uuid"]: 100 * GIB})
     coordinator = make_coordinator()
     stamp = _checkpointed(fake, coordinator, [pid])
-    # Another tenant takes the GPU meanwhile; the stamp under-reports, so the pre-check passes.
     (other,) = sleepers(1)
     fake.add_process(other, {dev["uuid"]: 50 * GIB})
+    return pid, dev, coordinator, stamp
+
+
+def test_restore_out_of_memory_leaves_process_checkpointed_and_raises(
+    fake, sleepers, make_coordinator
+):
+    pid, dev, coordinator, stamp = _checkpointed_then_crowded(fake, sleepers, make_coordinator)
+    # The stamp under-reports, so the pre-check passes.
     stamp["bytes_per_device"] = {dev["uuid"]: 1 * GIB}
     with pytest.raises(FailedPrecondition) as caught:
         coordinator.restore([pid], stamp)
@@ -173,13 +179,7 @@ def test_restore_out_of_memory_leaves_process_checkpointed_and_raises(
 def test_restore_is_refused_before_the_driver_when_free_memory_is_short(
     fake, sleepers, make_coordinator
 ):
-    (pid,) = sleepers(1)
-    dev = default_devices(1)[0]
-    fake.add_process(pid, {dev["uuid"]: 100 * GIB})
-    coordinator = make_coordinator()
-    stamp = _checkpointed(fake, coordinator, [pid])
-    (other,) = sleepers(1)
-    fake.add_process(other, {dev["uuid"]: 50 * GIB})
+    pid, _dev, coordinator, stamp = _checkpointed_then_crowded(fake, sleepers, make_coordinator)
     with pytest.raises(FailedPrecondition, match="free"):
         coordinator.restore([pid], stamp)
     assert fake.calls("restore") == []
