@@ -61,7 +61,7 @@ class DaemonSection:
     # tmpfs or local NVMe here keeps dump and restore off slower disks.
     staging_dir: Path | None = None
     criu_log_level: int = 4  # criu -v0..-v4 for its per-job log (kept only on failure)
-    # Upload page images while CRIU writes them (a first checkpoint: daemon/dumpstream.py).
+    # Upload page images while CRIU writes them (a first checkpoint: daemon/host/pagestream.py).
     upload_during_dump: bool = True
 
 

@@ -286,15 +286,15 @@ class GpuCoordinator:
         """Put every process back to RUNNING by its current state; say how that went."""
         problems: list[str] = []
         states = self._states(pids)
-        in_store = {int(m["pid"]) for m in freeze.memory_files} if freeze is not None else set()
-        if in_store and freeze is not None:
+        copied = {int(m["pid"]) for m in freeze.memory_files} if freeze is not None else set()
+        if copied and freeze is not None:
             # Their device memory exists only in the sink now: put it back from there.
             try:
-                self._thaw_from_store(freeze, [p for p in pids if p in in_store])
+                self._thaw_from_source(freeze, [p for p in pids if p in copied])
             except GpusnapError as err:
                 problems.append(str(err))
         for pid in pids:
-            if states[pid] == "CHECKPOINTED" and pid not in in_store:
+            if states[pid] == "CHECKPOINTED" and pid not in copied:
                 try:
                     self._worker.call("restore", pid, None)
                 except GpusnapError as err:
@@ -318,18 +318,18 @@ class GpuCoordinator:
         """Leave-running: restore every frozen process, then unlock every one."""
         if freeze.memory_copy == CUSTOM_STORAGE and freeze.memory_files:
             try:
-                self._thaw_from_store(freeze, freeze.cuda_pids)
+                self._thaw_from_source(freeze, freeze.cuda_pids)
             except GpusnapError as err:
                 now = self._states(freeze.cuda_pids)
                 where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
                 raise with_message(err, f"GPU thaw failed: {err}; {where}") from err
         self._resume(freeze.cuda_pids, None, "thaw")
 
-    def _thaw_from_store(self, freeze: GpuFreeze, pids: list[int]) -> None:
+    def _thaw_from_source(self, freeze: GpuFreeze, pids: list[int]) -> None:
         """Custom storage put the memory in its sink only: fill it back from the source."""
         if freeze.custom_storage is None:
             raise FailedPrecondition("the frozen GPU memory is in no store; cannot thaw")
-        self._restore_from_store(pids, freeze.memory_files, None, freeze.custom_storage.source)
+        self._refill(pids, freeze.memory_files, None, freeze.custom_storage.source)
 
     def _resume(self, pids: list[int], pairs: list[list[str]] | None, what: str) -> None:
         states = {pid: self._state(pid) for pid in pids}
@@ -405,10 +405,10 @@ class GpuCoordinator:
         cuda_pids = [pid for pid in pids if self._state(pid) is not None]
         if gpu_stamp.get("memory_copy") == CUSTOM_STORAGE:
             files = list(gpu_stamp.get("memory_files") or [])
-            self._restore_from_store(cuda_pids, files, pairs, source)
+            self._refill(cuda_pids, files, pairs, source)
         self._resume(cuda_pids, pairs, "restore")
 
-    def _restore_from_store(
+    def _refill(
         self,
         pids: list[int],
         memory_files: list[dict[str, Any]],
