@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from gpusnap.daemon.gpu import GpuFreeze
+from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
 from gpusnap.errors import DeadlineExceeded, FailedPrecondition, Internal, Unsupported
 from tests.fakes.fake_cuda import GIB, FakeCuda, default_devices
 
@@ -150,7 +152,11 @@ def test_restore_puts_processes_back_and_unlocks(fake, sleepers, make_coordinato
     assert [c["gpu_pairs"] for c in fake.call_args("restore")] == [None, None]
 
 
-def _checkpointed_then_crowded(fake, sleepers, make_coordinator):
+def _checkpointed_then_crowded(
+    fake: FakeCuda,
+    sleepers: Callable[[int], list[int]],
+    make_coordinator: Callable[..., GpuCoordinator],
+) -> tuple[int, dict[str, Any], GpuCoordinator, dict[str, Any]]:
     """A process holding 100 GiB checkpointed; then another tenant takes 50 GiB of its GPU."""
     (pid,) = sleepers(1)
     dev = default_devices(1)[0]
