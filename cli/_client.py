@@ -1,9 +1,10 @@
 """The CLI's gRPC client for gpusnapd: calls in, plain JSON-ready dicts out.
 
-Each method mirrors one ``gpusnap.v1`` RPC (and one ``DaemonServiceAPI`` method). A failed
-call raises the error kind the daemon decided — read from the ``gpusnap-error-kind``
-trailing metadata and rebuilt with ``error_from_kind`` — so the CLI exits with the code the
-service chose. When the daemon cannot be reached at all, ``DaemonUnreachable`` says so in one
+Each method mirrors one ``gpusnap.v1`` RPC (and one ``DaemonServiceAPI`` method); messages
+become plain values through ``gpusnap.proto.wire``, the module the daemon's servicers use too.
+A failed call raises the error kind the daemon decided — read from the ``gpusnap-error-kind``
+trailing metadata by ``wire.error_from_status`` — so the CLI exits with the code the service
+chose. When the daemon cannot be reached at all, ``DaemonUnreachable`` says so in one
 line with the socket path or TCP address; the CLI exits 5 for it.
 
 ``connect(args)`` picks the way in: the unix socket (``--socket``, the default), or
@@ -18,10 +19,10 @@ import argparse
 import errno
 import os
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from types import TracebackType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 # gRPC's C core logs to stderr on its own (e.g. "E1130 ... parse_address.cc:69] ..."), which
 # would break the CLI's promise of one line per error. It reads these at import, so they are
@@ -31,9 +32,8 @@ if os.environ.get("GPUSNAP_DEBUG", "") in ("", "0"):
     os.environ.pop("GRPC_TRACE", None)
 
 import grpc  # after the logging switch above
-from google.protobuf import json_format, struct_pb2
-from google.protobuf.timestamp_pb2 import Timestamp
 
+from gpusnap.cli._output import emit
 from gpusnap.cli._tls import ClientTls, explain_unreachable, load_client_tls, parse_address
 from gpusnap.errors import (
     DeadlineExceeded,
@@ -44,7 +44,7 @@ from gpusnap.errors import (
     Unreachable,
     error_from_kind,
 )
-from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
+from gpusnap.proto import wire
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
 
@@ -62,26 +62,12 @@ TLS_SETTINGS = (
 )
 # Generous for unary calls (they only queue work or read state); Watch has no deadline.
 DEFAULT_TIMEOUT_S = 60.0
+# Manifests of large process trees list many files; as the daemon's listener allows.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# The keys of a job as the CLI prints it (``--json``); stable, see docs/api.md.
-JOB_KEYS = (
-    "id",
-    "kind",
-    "workload",
-    "state",
-    "phase",
-    "bytes_done",
-    "bytes_total",
-    "rate_bytes_per_s",
-    "created_at",
-    "started_at",
-    "finished_at",
-    "trigger",
-    "deadline",
-    "error",
-    "error_kind",
-    "result",
-)
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+T = TypeVar("T")
 
 
 class DaemonUnreachable(Unreachable):
@@ -100,72 +86,6 @@ def socket_path(args: argparse.Namespace | None = None) -> Path:
     return Path(given or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
 
 
-# --- protobuf -> plain values ---------------------------------------------------------------
-
-
-def _integral(value: Any) -> Any:
-    # Struct numbers are doubles; give back ints where the daemon sent whole numbers.
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    return value
-
-
-def struct_to_dict(msg: struct_pb2.Struct) -> dict[str, Any]:
-    result: dict[str, Any] = _integral(json_format.MessageToDict(msg))
-    return result
-
-
-def _enum_name(enum_type: Any, prefix: str, number: int) -> str:
-    try:
-        name: str = enum_type.Name(number)
-    except ValueError:
-        return "unspecified"
-    return name.removeprefix(prefix).lower().replace("_", "-")
-
-
-def _time(msg: Any, field: str) -> float | None:
-    if not msg.HasField(field):
-        return None
-    ts: Timestamp = getattr(msg, field)
-    return ts.seconds + ts.nanos / 1e9
-
-
-def job_to_dict(job: pb.Job) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "kind": _enum_name(pb.JobKind, "JOB_KIND_", job.kind),
-        "workload": job.workload,
-        "state": _enum_name(pb.JobState, "JOB_STATE_", job.state),
-        "phase": _enum_name(pb.Phase, "PHASE_", job.phase),
-        "bytes_done": job.bytes_done,
-        "bytes_total": job.bytes_total,
-        "rate_bytes_per_s": job.rate_bytes_per_s,
-        "created_at": _time(job, "created_at"),
-        "started_at": _time(job, "started_at"),
-        "finished_at": _time(job, "finished_at"),
-        "trigger": job.trigger,
-        "deadline": _time(job, "deadline"),
-        "error": job.error or None,
-        "error_kind": job.error_kind or None,
-        "result": struct_to_dict(job.result),
-    }
-
-
-def verdict_to_dict(verdict: pb.CompatVerdict) -> dict[str, Any]:
-    return {
-        "checkpoint_id": verdict.checkpoint_id,
-        "compatible": verdict.compatible,
-        "reasons": [
-            {"field": r.field, "expected": r.expected, "actual": r.actual, "message": r.message}
-            for r in verdict.reasons
-        ],
-    }
-
-
 # --- errors ----------------------------------------------------------------------------------
 
 
@@ -182,8 +102,13 @@ def _probe_why(path: Path) -> str | None:
     return None
 
 
-class DaemonClient:
-    """A connection to gpusnapd. Use as a context manager, or call ``close()``."""
+class DaemonClient(AbstractContextManager["DaemonClient"]):
+    """A connection to gpusnapd. Use as a context manager, or call ``close()``.
+
+    Each call sends its arguments as they are: the daemon checks them (and the CLI exits with
+    the code of the kind it answers). Results are plain JSON-ready values, converted by
+    ``gpusnap.proto.wire``.
+    """
 
     def __init__(
         self,
@@ -199,7 +124,7 @@ class DaemonClient:
         self._secure = credentials is not None
         self._timeout = timeout
         options: list[tuple[str, str | int]] = [
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024)
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)
         ]
         if server_name is not None:
             options.append(("grpc.ssl_target_name_override", server_name))
@@ -244,28 +169,17 @@ class DaemonClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> DaemonClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _error(self, err: grpc.RpcError) -> GpusnapError:
         """The error kind the daemon sent, or why the daemon could not be reached."""
         code = err.code()
         details = err.details() or code.name
-        kind = None
         metadata = cast("Iterable[tuple[str, str | bytes]]", err.trailing_metadata() or ())
-        for key, value in metadata:
-            if key == ERROR_KIND_METADATA_KEY:
-                kind = value if isinstance(value, str) else value.decode()
-        if kind is not None:
-            return error_from_kind(kind, details)
+        sent = wire.error_from_status(details, metadata)
+        if sent is not None:
+            return sent
         # No kind: the call never reached our servicer.
         if code == grpc.StatusCode.UNAVAILABLE:
             if self._secure:
@@ -282,6 +196,13 @@ class DaemonClient:
             return error_from_kind("cancelled", details)
         return Internal(f"gpusnapd at {self.target}: {code.name}: {details}")
 
+    def _unary(self, rpc: grpc.UnaryUnaryMultiCallable[Req, Resp], request: Req) -> Resp:
+        """Call ``rpc``; a failure raises the error kind of ``_error``."""
+        try:
+            return rpc(request, timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+
     # --- calls ------------------------------------------------------------------------------
 
     def checkpoint(
@@ -292,17 +213,12 @@ class DaemonClient:
         leave_running: bool = False,
         trigger: str = "",
     ) -> dict[str, Any]:
-        if (pid is None) == (workload is None):
-            raise InvalidArgument("give exactly one of a pid or a workload")
         request = pb.CreateCheckpointRequest(leave_running=leave_running, trigger=trigger)
         if pid is not None:
             request.pid = pid
-        else:
-            request.workload = workload or ""
-        try:
-            return job_to_dict(self._checkpoints.Create(request, timeout=self._timeout))
-        except grpc.RpcError as err:
-            raise self._error(err) from None
+        if workload is not None:
+            request.workload = workload
+        return wire.job_from_pb(self._unary(self._checkpoints.Create, request))
 
     def restore(
         self,
@@ -314,45 +230,29 @@ class DaemonClient:
         request = pb.RestoreRequest(
             checkpoint_id=checkpoint_id or "", workload=workload or "", latest=latest
         )
-        try:
-            return job_to_dict(self._restores.Restore(request, timeout=self._timeout))
-        except grpc.RpcError as err:
-            raise self._error(err) from None
+        return wire.job_from_pb(self._unary(self._restores.Restore, request))
 
     def compat(self, checkpoint_id: str) -> dict[str, Any]:
         request = pb.CompatRequest(checkpoint_id=checkpoint_id)
-        try:
-            return verdict_to_dict(self._restores.Compat(request, timeout=self._timeout))
-        except grpc.RpcError as err:
-            raise self._error(err) from None
+        return wire.from_message(self._unary(self._restores.Compat, request))
 
     def get_job(self, job_id: str) -> dict[str, Any]:
-        try:
-            job = self._jobs.Get(pb.GetJobRequest(job_id=job_id), timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return job_to_dict(job)
+        return wire.job_from_pb(self._unary(self._jobs.Get, pb.GetJobRequest(job_id=job_id)))
 
-    def list_jobs(self, limit: int = 50) -> list[dict[str, Any]]:
-        try:
-            reply = self._jobs.List(pb.ListJobsRequest(limit=limit), timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return [job_to_dict(j) for j in reply.jobs]
+    def list_jobs(self, limit: int = 0) -> list[dict[str, Any]]:
+        """The newest ``limit`` jobs; 0: as many as the daemon lists by default."""
+        reply = self._unary(self._jobs.List, pb.ListJobsRequest(limit=limit))
+        return [wire.job_from_pb(j) for j in reply.jobs]
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
-        try:
-            job = self._jobs.Cancel(pb.CancelJobRequest(job_id=job_id), timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return job_to_dict(job)
+        return wire.job_from_pb(self._unary(self._jobs.Cancel, pb.CancelJobRequest(job_id=job_id)))
 
     def watch_job(self, job_id: str) -> Iterator[dict[str, Any]]:
         """Snapshots of the job as it changes; ends after its terminal state."""
         stream = self._jobs.Watch(pb.WatchJobRequest(job_id=job_id))
         try:
             for job in stream:
-                yield job_to_dict(job)
+                yield wire.job_from_pb(job)
         except grpc.RpcError as err:
             raise self._error(err) from None
         finally:
@@ -362,56 +262,36 @@ class DaemonClient:
 
     def list_checkpoints(self, workload: str | None = None) -> list[dict[str, Any]]:
         request = pb.ListCheckpointsRequest(workload=workload or "")
-        try:
-            reply = self._checkpoints.List(request, timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return [struct_to_dict(c) for c in reply.checkpoints]
+        reply = self._unary(self._checkpoints.List, request)
+        return wire.typed_or_struct(reply.items, reply.checkpoints)
 
     def show_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
         request = pb.ShowCheckpointRequest(checkpoint_id=checkpoint_id)
-        try:
-            reply = self._checkpoints.Show(request, timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return struct_to_dict(reply.checkpoint)
+        return wire.from_struct(self._unary(self._checkpoints.Show, request).checkpoint)
 
     def list_workloads(self) -> list[dict[str, Any]]:
-        try:
-            reply = self._workloads.List(pb.ListWorkloadsRequest(), timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return [struct_to_dict(w) for w in reply.workloads]
+        reply = self._unary(self._workloads.List, pb.ListWorkloadsRequest())
+        return wire.typed_or_struct(reply.items, reply.workloads)
 
     def status(self) -> dict[str, Any]:
-        try:
-            reply = self._daemon.Status(pb.StatusRequest(), timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return struct_to_dict(reply.status)
+        reply = self._unary(self._daemon.Status, pb.StatusRequest())
+        if not reply.HasField("daemon"):  # a daemon older than the typed status
+            return wire.from_struct(reply.status)
+        return wire.from_message(reply.daemon)
 
     def triggers_status(self) -> dict[str, Any]:
-        try:
-            reply = self._daemon.TriggersStatus(pb.TriggersStatusRequest(), timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return struct_to_dict(reply.triggers)
+        reply = self._unary(self._daemon.TriggersStatus, pb.TriggersStatusRequest())
+        return wire.from_struct(reply.triggers)
 
     def migrations(self) -> list[dict[str, Any]]:
-        try:
-            reply = self._daemon.ListMigrations(pb.ListMigrationsRequest(), timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise self._error(err) from None
-        return [struct_to_dict(m) for m in reply.migrations]
+        reply = self._unary(self._daemon.ListMigrations, pb.ListMigrationsRequest())
+        return [wire.from_struct(m) for m in reply.migrations]
 
     def drill(self, deadline_s: float | None = None) -> dict[str, Any]:
         request = pb.DrillRequest()
         if deadline_s is not None:
             request.deadline_seconds = deadline_s
-        try:
-            return job_to_dict(self._daemon.Drill(request, timeout=self._timeout))
-        except grpc.RpcError as err:
-            raise self._error(err) from None
+        return wire.job_from_pb(self._unary(self._daemon.Drill, request))
 
 
 def _address(args: argparse.Namespace | None) -> tuple[str, str] | None:
@@ -485,3 +365,17 @@ def connect(args: argparse.Namespace | None = None) -> DaemonClient:
     value, source = address
     parse_address(value, source=source)
     return DaemonClient.for_address(value, client_tls(args, needed_by=source))
+
+
+def query(
+    args: argparse.Namespace,
+    call: Callable[[DaemonClient], T],
+    human: Callable[[T], str],
+    *,
+    key: str | None = None,
+) -> int:
+    """A command that is one call: connect as ``args`` say, ``call``, and print the answer
+    (as JSON with ``--json``, under ``key`` when given; else ``human(answer)``). Exit 0."""
+    with connect(args) as client:
+        answer = call(client)
+    return emit(args.json, answer if key is None else {key: answer}, lambda: human(answer))

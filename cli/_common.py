@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,20 @@ def common_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="more detail on stderr (a traceback for internal errors)",
     )
+    return p
+
+
+def add_command(
+    subparsers: Subparsers,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    help_text: str,
+    parents: Sequence[argparse.ArgumentParser] | None = None,
+) -> argparse.ArgumentParser:
+    """Add the command ``name`` that runs ``func(args) -> exit code``; with ``--json`` and
+    ``-v`` unless other ``parents`` are given. Returns its parser, for its own arguments."""
+    p = subparsers.add_parser(name, parents=list(parents or [common_parser()]), help=help_text)
+    p.set_defaults(func=func)
     return p
 
 

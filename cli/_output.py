@@ -11,12 +11,28 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from gpusnap.errors import GpusnapError, exit_code_for
+from gpusnap.errors import EXIT_OK, GpusnapError, exit_code_for
 
 PROG = "gpusnap"
+
+
+def out(text: str) -> None:
+    """One line (or several) of a command's human output on stdout."""
+    sys.stdout.write(text + "\n")
+
+
+def emit(as_json: bool, data: Any, human: Callable[[], str], code: int = EXIT_OK) -> int:
+    """A command's answer: ``data`` as JSON with ``--json``, else ``human()`` as text.
+    Returns ``code``, the command's exit code."""
+    if as_json:
+        print_json(data)
+    else:
+        out(human())
+    return code
 
 
 def print_json(obj: Any, stream: TextIO | None = None) -> None:
@@ -45,6 +61,24 @@ def print_error(
         err_kind = kind or (err.kind if isinstance(err, GpusnapError) else "internal")
         print_json({"error": message, "kind": err_kind, "exit_code": code})
     return code
+
+
+def when(value: Any) -> str:
+    """A time (epoch seconds, ISO string or datetime) as ``YYYY-MM-DD HH:MM:SSZ``; ``-``
+    when unknown."""
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    if isinstance(value, str) and value:
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return value
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        return parsed.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return "-" if value in (None, "") else str(value)
 
 
 def human_bytes(n: float) -> str:

@@ -12,26 +12,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
-from gpusnap.cli._client import DaemonClient, connect
-from gpusnap.cli._common import Subparsers, common_parser, stderr_is_tty
-from gpusnap.cli._output import PROG, ProgressBar, human_bytes, print_json, render_table
-from gpusnap.cli.store_cmds import render_manifest
-from gpusnap.errors import (
-    ERROR_TABLE,
-    EXIT_OK,
-    InvalidArgument,
-    Unavailable,
-    error_from_kind,
-    exit_code_for,
+from gpusnap.cli._client import DaemonClient, connect, query
+from gpusnap.cli._common import Subparsers, add_command, stderr_is_tty
+from gpusnap.cli._output import (
+    PROG,
+    ProgressBar,
+    emit,
+    human_bytes,
+    print_json,
+    render_table,
+    when,
 )
+from gpusnap.cli.store_cmds import render_manifest
+from gpusnap.errors import ERROR_TABLE, EXIT_OK, Unavailable, error_from_kind, exit_code_for
 
-Command = Callable[[argparse.Namespace], int]
-
-PID_MAX_LIMIT = 1 << 22  # the kernel's hard ceiling for pid_max on 64-bit
+# The API carries a pid as an int32; whether it names a process is the daemon's to say.
+_INT32_MAX = 2**31 - 1
 
 # Keys ``--wait --json`` always prints (null when the daemon did not report one).
 CHECKPOINT_WAIT_KEYS = (
@@ -47,16 +45,9 @@ TERMINAL_STATES = ("succeeded", "failed", "cancelled", "interrupted")
 _STATE_KINDS = {"failed": "internal", "cancelled": "cancelled", "interrupted": "unavailable"}
 
 
-def _out(text: str) -> None:
-    sys.stdout.write(text + "\n")
-
-
 def register(subparsers: Subparsers) -> None:
-    common = [common_parser()]
-
-    p = subparsers.add_parser(
-        "checkpoint", parents=common, help="checkpoint a process tree or a configured workload"
-    )
+    what = "checkpoint a process tree or a configured workload"
+    p = add_command(subparsers, "checkpoint", cmd_checkpoint, what)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--pid", type=pid_arg, metavar="PID", help="root of the process tree")
     target.add_argument("--workload", metavar="NAME", help="a workload from the daemon's config")
@@ -64,78 +55,45 @@ def register(subparsers: Subparsers) -> None:
         "--leave-running", action="store_true", help="keep the workload running after the dump"
     )
     p.add_argument("--wait", action="store_true", help="follow the job to its end")
-    p.set_defaults(func=cmd_checkpoint)
 
-    p = subparsers.add_parser(
-        "restore", parents=common, help="restore a checkpoint (or cold-start when incompatible)"
+    p = add_command(
+        subparsers, "restore", cmd_restore, "restore a checkpoint (or cold-start when incompatible)"
     )
     p.add_argument("checkpoint_id", nargs="?", metavar="ID", help="the checkpoint to restore")
     p.add_argument("--workload", metavar="NAME", help="with --latest: this workload's newest")
     p.add_argument("--latest", action="store_true", help="the workload's newest checkpoint")
     p.add_argument("--wait", action="store_true", help="follow the job to its end")
-    p.set_defaults(func=cmd_restore)
 
-    p = subparsers.add_parser(
-        "compat", parents=common, help="would this checkpoint restore on this node? (and why not)"
-    )
+    what = "would this checkpoint restore on this node? (and why not)"
+    p = add_command(subparsers, "compat", cmd_compat, what)
     p.add_argument("checkpoint_id", metavar="ID")
-    p.set_defaults(func=cmd_compat)
-
-    p = subparsers.add_parser("jobs", parents=common, help="list recent jobs, newest first")
-    p.set_defaults(func=cmd_jobs)
-
-    p = subparsers.add_parser("job", parents=common, help="show one job")
+    add_command(subparsers, "jobs", cmd_jobs, "list recent jobs, newest first")
+    add_command(subparsers, "job", cmd_job, "show one job").add_argument("job_id", metavar="ID")
+    p = add_command(subparsers, "cancel", cmd_cancel, "cancel a queued or running job")
     p.add_argument("job_id", metavar="ID")
-    p.set_defaults(func=cmd_job)
-
-    p = subparsers.add_parser("cancel", parents=common, help="cancel a queued or running job")
-    p.add_argument("job_id", metavar="ID")
-    p.set_defaults(func=cmd_cancel)
-
-    p = subparsers.add_parser("ls", parents=common, help="list checkpoints in the daemon's store")
+    p = add_command(subparsers, "ls", cmd_ls, "list checkpoints in the daemon's store")
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
-    p.set_defaults(func=cmd_ls)
-
-    p = subparsers.add_parser("show", parents=common, help="describe one checkpoint")
+    p = add_command(subparsers, "show", cmd_show, "describe one checkpoint")
     p.add_argument("checkpoint_id", metavar="ID")
-    p.set_defaults(func=cmd_show)
-
-    p = subparsers.add_parser("workloads", parents=common, help="list configured workloads")
-    p.set_defaults(func=cmd_workloads)
-
-    p = subparsers.add_parser("status", parents=common, help="the daemon's status")
-    p.set_defaults(func=cmd_status)
+    add_command(subparsers, "workloads", cmd_workloads, "list configured workloads")
+    add_command(subparsers, "status", cmd_status, "the daemon's status")
 
 
 def pid_arg(text: str) -> int:
-    """A process id, for argparse: 1 to PID_MAX_LIMIT (2^22, the kernel's ceiling)."""
+    """A process id, for argparse: an integer the API can carry (the daemon says whether it
+    is a process it may checkpoint)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
-    if not 0 < value <= PID_MAX_LIMIT:
+    if abs(value) > _INT32_MAX:
         raise argparse.ArgumentTypeError(
-            f"not a process id: {text!r} (pids are 1 to {PID_MAX_LIMIT})"
+            f"not a process id: {text!r} (the API carries pids up to {_INT32_MAX})"
         )
     return value
 
 
 # --- formatting ------------------------------------------------------------------------------
-
-
-def _when(epoch: Any) -> str:
-    if epoch is None or epoch == "":
-        return "-"
-    if isinstance(epoch, int | float):
-        return datetime.fromtimestamp(float(epoch), UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-    return str(epoch)
-
-
-def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if d.get(key) is not None:
-            return d[key]
-    return default
 
 
 def _progress(job: dict[str, Any]) -> str:
@@ -146,7 +104,7 @@ def _progress(job: dict[str, Any]) -> str:
     return f"{min(100.0, 100.0 * done / total):.0f}% of {human_bytes(total)}"
 
 
-def _job_lines(job: dict[str, Any]) -> list[str]:
+def _job_text(job: dict[str, Any]) -> str:
     lines = [
         f"job       {job['id']}",
         f"kind      {job['kind']}",
@@ -154,19 +112,33 @@ def _job_lines(job: dict[str, Any]) -> list[str]:
         f"state     {job['state']}  (phase {job['phase']})",
         f"progress  {_progress(job)}",
         f"trigger   {job['trigger'] or '-'}",
-        f"created   {_when(job['created_at'])}",
-        f"started   {_when(job['started_at'])}",
-        f"finished  {_when(job['finished_at'])}",
+        f"created   {when(job['created_at'])}",
+        f"started   {when(job['started_at'])}",
+        f"finished  {when(job['finished_at'])}",
     ]
     if job.get("deadline") is not None:
-        lines.append(f"deadline  {_when(job['deadline'])}")
+        lines.append(f"deadline  {when(job['deadline'])}")
     if job.get("error"):
         lines.append(f"error     {job['error']} ({job.get('error_kind') or 'internal'})")
     result = job.get("result") or {}
     if result:
         lines.append("result")
         lines.extend(f"  {k}: {result[k]}" for k in sorted(result))
-    return lines
+    return "\n".join(lines)
+
+
+def _age(seconds: Any) -> str:
+    """``3725.2`` -> ``1h02m``; None -> ``-``."""
+    if not isinstance(seconds, int | float):
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 # --- following a job -------------------------------------------------------------------------
@@ -208,11 +180,7 @@ def _finish(args: argparse.Namespace, job: dict[str, Any], keys: tuple[str, ...]
         summary["pids"] = []
     summary.update(job_id=job["id"], state=job["state"], workload=job["workload"])
     if job["state"] == "succeeded":
-        if args.json:
-            print_json(summary)
-        else:
-            _out(_succeeded_line(job, summary))
-        return EXIT_OK
+        return emit(args.json, summary, lambda: _succeeded_line(job, summary))
     kind = job.get("error_kind") or _STATE_KINDS.get(job["state"], "internal")
     message = job.get("error") or f"job ended {job['state']}"
     code = exit_code_for(error_from_kind(kind, message))
@@ -249,12 +217,13 @@ def _reason_text(reason: Any) -> str:
     return str(reason)
 
 
-def _queued(args: argparse.Namespace, job: dict[str, Any]) -> int:
-    if args.json:
-        print_json(job)
-    else:
-        _out(job["id"])
-    return EXIT_OK
+def _queued_or_followed(
+    args: argparse.Namespace, client: DaemonClient, job: dict[str, Any], keys: tuple[str, ...]
+) -> int:
+    """Without ``--wait``: the queued job (its id, or the job as JSON); with it, its outcome."""
+    if not args.wait:
+        return emit(args.json, job, lambda: str(job["id"]))
+    return _finish(args, _follow(client, job), keys)
 
 
 # --- commands --------------------------------------------------------------------------------
@@ -265,49 +234,43 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         job = client.checkpoint(
             pid=args.pid, workload=args.workload, leave_running=args.leave_running
         )
-        if not args.wait:
-            return _queued(args, job)
-        return _finish(args, _follow(client, job), CHECKPOINT_WAIT_KEYS)
+        return _queued_or_followed(args, client, job, CHECKPOINT_WAIT_KEYS)
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    if args.checkpoint_id is not None and (args.workload or args.latest):
-        raise InvalidArgument("give a checkpoint ID, or --workload NAME --latest, not both")
-    if args.checkpoint_id is None and not (args.workload and args.latest):
-        raise InvalidArgument("give a checkpoint ID, or --workload NAME --latest")
+    # Which of ID, --workload and --latest go together is the daemon's to check (exit 2).
     with connect(args) as client:
         job = client.restore(
             checkpoint_id=args.checkpoint_id, workload=args.workload, latest=args.latest
         )
-        if not args.wait:
-            return _queued(args, job)
-        return _finish(args, _follow(client, job), RESTORE_WAIT_KEYS)
+        return _queued_or_followed(args, client, job, RESTORE_WAIT_KEYS)
 
 
 def cmd_compat(args: argparse.Namespace) -> int:
     with connect(args) as client:
         verdict = client.compat(args.checkpoint_id)
     code = EXIT_OK if verdict["compatible"] else ERROR_TABLE["incompatible"].exit_code
-    if args.json:
-        print_json(verdict)
-        return code
+    return emit(args.json, verdict, lambda: _verdict_text(verdict), code)
+
+
+def _verdict_text(verdict: dict[str, Any]) -> str:
     if verdict["compatible"]:
-        _out(f"{verdict['checkpoint_id']}: compatible with this node")
-        return code
-    _out(f"{verdict['checkpoint_id']}: NOT compatible with this node (a restore would cold-start)")
-    for r in verdict["reasons"]:
-        _out(
-            f"  - {r['message']}  [{r['field']}: expected {r['expected']!r}, here {r['actual']!r}]"
-        )
-    return code
+        return f"{verdict['checkpoint_id']}: compatible with this node"
+    lines = [
+        f"{verdict['checkpoint_id']}: NOT compatible with this node (a restore would cold-start)"
+    ]
+    lines.extend(
+        f"  - {r['message']}  [{r['field']}: expected {r['expected']!r}, here {r['actual']!r}]"
+        for r in verdict["reasons"]
+    )
+    return "\n".join(lines)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        jobs = client.list_jobs()
-    if args.json:
-        print_json({"jobs": jobs})
-        return EXIT_OK
+    return query(args, lambda c: c.list_jobs(), _jobs_table, key="jobs")
+
+
+def _jobs_table(jobs: list[dict[str, Any]]) -> str:
     rows = [
         [
             j["id"],
@@ -317,124 +280,75 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             j["phase"],
             _progress(j),
             j["trigger"] or "-",
-            _when(j["created_at"]),
+            when(j["created_at"]),
         ]
         for j in jobs
     ]
-    _out(
-        render_table(
-            ["ID", "KIND", "WORKLOAD", "STATE", "PHASE", "PROGRESS", "TRIGGER", "CREATED"], rows
-        )
-    )
-    return EXIT_OK
+    headers = ["ID", "KIND", "WORKLOAD", "STATE", "PHASE", "PROGRESS", "TRIGGER", "CREATED"]
+    return render_table(headers, rows)
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        job = client.get_job(args.job_id)
-    if args.json:
-        print_json(job)
-    else:
-        _out("\n".join(_job_lines(job)))
-    return EXIT_OK
+    return query(args, lambda c: c.get_job(args.job_id), _job_text)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        job = client.cancel_job(args.job_id)
-    if args.json:
-        print_json(job)
-    else:
-        _out(f"{job['id']}: {job['state']}")
-    return EXIT_OK
+    return query(args, lambda c: c.cancel_job(args.job_id), lambda j: f"{j['id']}: {j['state']}")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        checkpoints = client.list_checkpoints(args.workload)
-    if args.json:
-        print_json({"checkpoints": checkpoints})
-        return EXIT_OK
+    return query(args, lambda c: c.list_checkpoints(args.workload), _ls_table, key="checkpoints")
+
+
+def _ls_table(checkpoints: list[dict[str, Any]]) -> str:
     rows = [
         [
-            str(_first(c, "checkpoint_id", "id", default="?")),
-            str(_first(c, "workload", default="-")),
-            _when(_first(c, "created", "created_at")),
-            human_bytes(_first(c, "bytes_total", "size", "total_bytes", default=0)),
-            str(_first(c, "parent", "parent_id", default="-")),
+            c["checkpoint_id"],
+            c["workload"],
+            when(c["created_at"]),
+            human_bytes(c["bytes_total"]),
+            c["parent"] or "-",
         ]
         for c in checkpoints
     ]
-    _out(render_table(["ID", "WORKLOAD", "CREATED", "SIZE", "PARENT"], rows))
-    return EXIT_OK
+    return render_table(["ID", "WORKLOAD", "CREATED", "SIZE", "PARENT"], rows)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        manifest = client.show_checkpoint(args.checkpoint_id)
-    if args.json:
-        print_json(manifest)
-    else:
-        _out(render_manifest(manifest))
-    return EXIT_OK
+    return query(args, lambda c: c.show_checkpoint(args.checkpoint_id), render_manifest)
 
 
 def cmd_workloads(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        workloads = client.list_workloads()
-    if args.json:
-        print_json({"workloads": workloads})
-        return EXIT_OK
+    return query(args, lambda c: c.list_workloads(), _workloads_text, key="workloads")
+
+
+def _workloads_text(workloads: list[dict[str, Any]]) -> str:
     rows = [
         [
-            str(w.get("name", "?")),
-            str(w.get("pid") or "-"),
-            str(_first(w, "finder", "pid_file", "systemd_unit", "match", default="-")),
-            _named(w.get("engine")),
-            _named(w.get("model")),
-            str(w.get("last_checkpoint_id") or "-"),
-            _age(w.get("last_checkpoint_age_seconds")),
+            w["name"],
+            str(w["pid"] or "-"),
+            w["finder"],
+            w["engine"] or "-",
+            w["model"] or "-",
+            w["last_checkpoint_id"] or "-",
+            _age(w["last_checkpoint_age_seconds"]),
         ]
         for w in workloads
     ]
     headers = ["NAME", "PID", "FOUND BY", "ENGINE", "MODEL", "LAST CHECKPOINT", "AGE"]
-    _out(render_table(headers, rows))
-    errors = {str(w["store_error"]) for w in workloads if w.get("store_error")}
-    for err in sorted(errors):
-        _out(f"store unreachable, last checkpoints unknown: {err}")
-    return EXIT_OK
-
-
-def _age(seconds: Any) -> str:
-    """``3725.2`` -> ``1h02m``; None -> ``-``."""
-    if not isinstance(seconds, int | float):
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def _named(value: Any) -> str:
-    """``{"name": "vllm", "version": "0.11.0"}`` -> ``vllm 0.11.0``."""
-    if isinstance(value, dict):
-        parts = [str(value[k]) for k in ("name", "version", "revision") if value.get(k)]
-        return " ".join(parts) or "-"
-    return "-" if value in (None, "") else str(value)
+    lines = [render_table(headers, rows)]
+    errors = {str(w["store_error"]) for w in workloads if w["store_error"]}
+    lines.extend(f"store unreachable, last checkpoints unknown: {e}" for e in sorted(errors))
+    return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        status = client.status()
-    if args.json:
-        print_json(status)
-        return EXIT_OK
+    return query(args, lambda c: c.status(), _status_text)
+
+
+def _status_text(status: dict[str, Any]) -> str:
     # Scalars as "key: value"; then the store, the capabilities and the workloads' last
-    # good checkpoints, each in its own shape (any of them may be missing from an older daemon).
+    # good checkpoints, each in its own shape.
     lines = [
         f"{key}: {value}"
         for key, value in sorted(status.items())
@@ -449,7 +363,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     interrupted = status.get("interrupted_at_start")
     if interrupted:
         lines.append(f"interrupted at start: {', '.join(str(j) for j in interrupted)}")
-    _out("\n".join(lines))
     rows = [
         [
             str(w.get("name", "?")),
@@ -460,31 +373,5 @@ def cmd_status(args: argparse.Namespace) -> int:
         if isinstance(w, dict)
     ]
     if rows:
-        _out(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
-    return EXIT_OK
-    store = status.get("store") or {}
-    lines = [
-        f"gpusnapd {status.get('version')} on {status.get('node_id')} (pid {status.get('pid')}), "
-        f"up {_age(status.get('uptime_seconds'))}, {status.get('jobs_running', 0)} job(s) running",
-        f"socket: {status.get('socket')}",
-        f"state: {status.get('state_dir')}, staging: {status.get('staging_dir', '-')}",
-        f"store: {store.get('url')}",
-    ]
-    for name, line in (status.get("capabilities") or {}).items():
-        lines.append(f"{name}: {line}")
-    if status.get("interrupted_at_start"):
-        lines.append(f"interrupted at start: {', '.join(status['interrupted_at_start'])}")
-    _out("\n".join(lines))
-    workloads = status.get("workloads") or []
-    if workloads:
-        rows = [
-            [
-                str(w.get("name", "?")),
-                str(w.get("last_checkpoint_id") or "-"),
-                _age(w.get("last_checkpoint_age_seconds")),
-            ]
-            for w in workloads
-            if isinstance(w, dict)
-        ]
-        _out(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
-    return EXIT_OK
+        lines.append(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
+    return "\n".join(lines)

@@ -1,8 +1,10 @@
 """``gpusnap``: the operator CLI.
 
-``gpusnap store …`` works on a store directly, without the daemon; the daemon and trigger
-commands (added by ``cli/daemon_cmds.py`` and ``cli/trigger_cmds.py`` when present) talk to
-``gpusnapd`` over gRPC.
+``gpusnap store …`` (``cli/store_cmds.py``) works on a store directly and ``gpusnap plan``
+(``cli/plan/``) on a model's config, both without the daemon; the daemon and trigger commands
+(``cli/daemon_cmds.py``, ``cli/trigger_cmds.py``) talk to ``gpusnapd`` over gRPC. Each command
+module has one ``register(subparsers)``; a new one is imported here and named in
+``COMMAND_MODULES``.
 
 Exit codes (one table, ``gpusnap/errors.py``): 0 success, 1 any other error, 2 usage error,
 3 not found, 4 integrity or authenticity failure, 5 daemon unreachable, 130 interrupted.
@@ -13,36 +15,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
 import sys
 import traceback
 
 from gpusnap import __version__
-from gpusnap.cli import store_cmds
-from gpusnap.cli._common import Subparsers, common_parser
+from gpusnap.cli import daemon_cmds, plan, store_cmds, trigger_cmds
+from gpusnap.cli._common import common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
 
-# Command modules written alongside this one; each is optional until it lands.
-_OPTIONAL_COMMAND_MODULES = ("daemon_cmds", "trigger_cmds")
+# Every command module, in the order `gpusnap --help` lists their commands.
+COMMAND_MODULES = (
+    store_cmds,
+    plan,
+    daemon_cmds,
+    trigger_cmds,
+)
 
 EXIT_INTERRUPTED = 130
-
-
-def _register_optional(subparsers: Subparsers) -> None:
-    for name in _OPTIONAL_COMMAND_MODULES:
-        qualified = f"gpusnap.cli.{name}"
-        try:
-            module = importlib.import_module(qualified)
-        except ImportError as exc:
-            if isinstance(exc, ModuleNotFoundError) and exc.name == qualified:
-                continue  # not written (yet): its commands simply do not exist
-            # The module exists but one of its imports failed: say so, keep the rest usable.
-            sys.stderr.write(f"{PROG}: warning: {name} commands unavailable: {exc}\n")
-            continue
-        module.register(subparsers)
 
 
 def _add_connection_options(parser: argparse.ArgumentParser) -> None:
@@ -90,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     _add_connection_options(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="<command>", required=True)
-    store_cmds.register(subparsers)
-    _register_optional(subparsers)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
     return parser
 
 

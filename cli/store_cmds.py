@@ -7,17 +7,16 @@ These commands need no daemon. The store is named by ``--store URL`` or ``GPUSNA
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from gpusnap.cli._common import (
     Subparsers,
+    add_command,
     common_parser,
     open_store_from_args,
     parse_duration,
@@ -25,7 +24,7 @@ from gpusnap.cli._common import (
     stderr_is_tty,
     store_parser,
 )
-from gpusnap.cli._output import ProgressBar, human_bytes, print_json, render_table
+from gpusnap.cli._output import ProgressBar, emit, human_bytes, out, print_json, render_table, when
 from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_INTEGRITY,
@@ -58,35 +57,31 @@ def register(subparsers: Subparsers) -> None:
     sub = store.add_subparsers(dest="store_command", metavar="<store command>", required=True)
     parents = [common_parser(), store_parser()]
 
-    p = sub.add_parser("push", parents=parents, help="upload a directory as a new checkpoint")
+    p = add_command(sub, "push", cmd_push, "upload a directory as a new checkpoint", parents)
     p.add_argument("dir", type=_path_arg, metavar="DIR", help="directory to upload")
     p.add_argument("--workload", required=True, metavar="NAME", help="workload name")
     p.add_argument("--parent", metavar="ID", help="checkpoint this one follows")
-    p.set_defaults(func=cmd_push)
 
-    p = sub.add_parser("pull", parents=parents, help="download a checkpoint into a directory")
+    p = add_command(sub, "pull", cmd_pull, "download a checkpoint into a directory", parents)
     p.add_argument("checkpoint_id", metavar="ID")
     p.add_argument("dest", type=_path_arg, metavar="DEST", help="destination directory")
-    p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("ls", parents=parents, help="list checkpoints, newest first")
+    p = add_command(sub, "ls", cmd_ls, "list checkpoints, newest first", parents)
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
-    p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("show", parents=parents, help="describe one checkpoint")
-    p.add_argument("checkpoint_id", metavar="ID")
-    p.set_defaults(func=cmd_show)
+    add_command(sub, "show", cmd_show, "describe one checkpoint", parents).add_argument(
+        "checkpoint_id", metavar="ID"
+    )
 
-    p = sub.add_parser("verify", parents=parents, help="check checkpoints are complete and intact")
+    p = add_command(sub, "verify", cmd_verify, "check checkpoints are complete and intact", parents)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("checkpoint_id", metavar="ID", nargs="?", help="checkpoint to verify")
     which.add_argument("--all", action="store_true", help="verify every checkpoint")
     p.add_argument(
         "--read-data", action="store_true", help="re-read and re-hash every chunk (slow)"
     )
-    p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("gc", parents=parents, help="delete unreferenced chunks, apply retention")
+    p = add_command(sub, "gc", cmd_gc, "delete unreferenced chunks, apply retention", parents)
     p.add_argument(
         "--keep-last",
         type=positive_int,
@@ -101,18 +96,17 @@ def register(subparsers: Subparsers) -> None:
         "(e.g. 0s, 30m, 2h, 1d, 1h30m; default 1h)",
     )
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
-    p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "keygen",
-        parents=[common_parser()],
-        help="create a manifest signing key (or, with --encryption, a chunk encryption key)",
+        cmd_keygen,
+        "create a manifest signing key (or, with --encryption, a chunk encryption key)",
     )
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="key file to create")
     p.add_argument(
         "--encryption", action="store_true", help="an encryption key instead of a signing key"
     )
-    p.set_defaults(func=cmd_keygen)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -141,48 +135,6 @@ def _progress(args: argparse.Namespace, label: str) -> Iterator[Progress | None]
         bar.close()
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    """The plain-data form of a store result or summary, whatever its spelling."""
-    for name in ("as_dict", "to_dict"):
-        method = getattr(obj, name, None)
-        if callable(method):
-            result: dict[str, Any] = method()
-            return result
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    if isinstance(obj, dict):
-        return obj
-    raise TypeError(f"cannot render {type(obj).__name__}")
-
-
-def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if key in d and d[key] is not None:
-            return d[key]
-    return default
-
-
-def _when(value: Any) -> str:
-    """A created time (epoch seconds, ISO string or datetime) as ``YYYY-MM-DD HH:MM:SSZ``."""
-    if isinstance(value, int | float):
-        return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-    if isinstance(value, str):
-        try:
-            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return value
-        if parsed.tzinfo is None:
-            parsed = parsed.replace(tzinfo=UTC)
-        return parsed.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-    return "-" if value is None else str(value)
-
-
-def _out(text: str) -> None:
-    sys.stdout.write(text + "\n")
-
-
 def _note(args: argparse.Namespace, text: str) -> None:
     """A human summary on stderr: on a terminal, or with -v; never with --json."""
     if not args.json and (args.verbose or stderr_is_tty()):
@@ -202,11 +154,10 @@ def cmd_push(args: argparse.Namespace) -> int:
         if args.parent is not None:
             store.manifest(args.parent)  # NotFound (3) / Corrupt (4) before any upload
         result = store.push(src, workload=args.workload, parent=args.parent, progress=progress)
-    data = _as_dict(result)
     if args.json:
-        print_json(data)
+        print_json(result.as_dict())
         return EXIT_OK
-    _out(result.checkpoint_id)
+    out(result.checkpoint_id)
     _note(
         args,
         f"pushed {human_bytes(result.bytes_total)} in {result.chunks_total} chunks; "
@@ -219,21 +170,19 @@ def cmd_push(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     with _opened(args) as store, _progress(args, "pull") as progress:
         result = store.pull(args.checkpoint_id, args.dest, progress=progress)
-    data = _as_dict(result)
     if args.json:
-        print_json(data)
+        print_json(result.as_dict())
         return EXIT_OK
-    total = _first(data, "bytes_total", "bytes", default=0)
-    seconds = float(_first(data, "seconds", default=0.0))
-    _note(args, f"pulled {args.checkpoint_id} ({human_bytes(total)}, {seconds:.1f} s)")
-    _out(str(args.dest))
+    size = human_bytes(result.bytes_total)
+    _note(args, f"pulled {args.checkpoint_id} ({size}, {result.seconds:.1f} s)")
+    out(str(args.dest))
     return EXIT_OK
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _opened(args) as store:
         listed, skipped = store.list_checked(workload=args.workload)
-    summaries = [_as_dict(s) for s in listed]
+    summaries = [s.as_dict() for s in listed]
     code = _skipped_code(skipped)
     if args.json:
         unreadable = [{"key": key, "error": str(err)} for key, err in skipped]
@@ -242,15 +191,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return code
     rows = [
         [
-            str(_first(s, "checkpoint_id", "id", default="?")),
-            str(_first(s, "workload", default="-")),
-            _when(_first(s, "created", "created_at")),
-            human_bytes(_first(s, "bytes_total", "size", "total_bytes", default=0)),
-            str(_first(s, "files", "file_count", "files_total", default="-")),
+            s["checkpoint_id"],
+            s["workload"],
+            when(s["created_at"]),
+            human_bytes(s["bytes_total"]),
+            str(s["files"]),
         ]
         for s in summaries
     ]
-    _out(render_table(["ID", "WORKLOAD", "CREATED", "SIZE", "FILES"], rows))
+    out(render_table(["ID", "WORKLOAD", "CREATED", "SIZE", "FILES"], rows))
     _report_skipped(skipped)
     return code
 
@@ -273,31 +222,25 @@ def _report_skipped(skipped: list[tuple[str, GpusnapError]]) -> None:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _opened(args) as store:
-        manifest = _as_dict(store.manifest(args.checkpoint_id))
-    if args.json:
-        print_json(manifest)
-        return EXIT_OK
-    _out(render_manifest(manifest))
-    return EXIT_OK
+        manifest = store.manifest(args.checkpoint_id).to_dict()
+    return emit(args.json, manifest, lambda: render_manifest(manifest))
 
 
 def render_manifest(m: dict[str, Any]) -> str:
-    files: list[dict[str, Any]] = list(_first(m, "files", default=[]))
-    totals: dict[str, Any] = dict(_first(m, "totals", default={}))
-    size = _first(totals, "bytes", "bytes_total", "size", default=None)
-    if size is None:
-        size = sum(int(_first(f, "size", default=0)) for f in files)
-    chunks = _first(totals, "chunks", "chunks_total", default=None)
-    if chunks is None:
-        chunks = sum(len(_first(f, "chunks", default=[])) for f in files)
-    stamp: dict[str, Any] = dict(_first(m, "stamp", default={}))
+    """A manifest as a person reads it: ``Manifest.to_dict()``, or the daemon's ``show`` of it
+    (whose files have no mode and no chunk list)."""
+    files: list[dict[str, Any]] = m.get("files") or []
+    totals: dict[str, Any] = m.get("totals") or {}
+    size = totals.get("bytes_total", sum(int(f["size"]) for f in files))
+    chunks = totals.get("chunks_total", sum(len(f.get("chunks") or []) for f in files))
+    stamp: dict[str, Any] = m.get("stamp") or {}
     lines = [
-        f"checkpoint  {_first(m, 'checkpoint_id', 'id', default='?')}",
-        f"workload    {_first(m, 'workload', default='-')}",
-        f"created     {_when(_first(m, 'created', 'created_at'))}",
-        f"parent      {_first(m, 'parent', 'parent_id', default='-')}",
+        f"checkpoint  {m['checkpoint_id']}",
+        f"workload    {m['workload']}",
+        f"created     {when(m['created_at'])}",
+        f"parent      {m.get('parent') or '-'}",
         f"size        {human_bytes(size)} in {len(files)} files, {chunks} chunks",
-        f"schema      {_first(m, 'schema', 'schema_version', 'version', default='-')}",
+        f"schema      {m.get('schema_version', '-')}",
     ]
     if stamp:
         lines.append("stamp")
@@ -308,10 +251,10 @@ def render_manifest(m: dict[str, Any]) -> str:
         lines.append("files")
         rows = [
             [
-                _mode(_first(f, "mode")),
-                human_bytes(int(_first(f, "size", default=0))),
-                str(len(_first(f, "chunks", default=[]))),
-                str(_first(f, "path", default="?")),
+                _mode(f.get("mode")),
+                human_bytes(int(f["size"])),
+                str(len(f.get("chunks") or [])),
+                str(f["path"]),
             ]
             for f in files
         ]
@@ -330,17 +273,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ids = None if args.all else [args.checkpoint_id]
     with _opened(args) as store:
         report = store.verify(ids, read_data=args.read_data)
-    data = _as_dict(report)
     problems = list(report.problems)
     if args.json:
-        print_json(data)
+        print_json(report.as_dict())
     else:
         checked = len(report.checkpoints)
         if not problems:
             note = " (data re-read)" if args.read_data else ""
-            _out(f"ok: {checked} checkpoint(s), {report.chunks_checked} chunks verified{note}")
+            out(f"ok: {checked} checkpoint(s), {report.chunks_checked} chunks verified{note}")
         for problem in problems:
-            _out(f"problem: {problem}")
+            out(f"problem: {problem}")
     if problems:
         sys.stderr.write(f"gpusnap: error: verify found {len(problems)} problem(s)\n")
         return EXIT_INTEGRITY
@@ -358,44 +300,44 @@ def cmd_gc(args: argparse.Namespace) -> int:
     # like success to a cron job, or the store silently stops shrinking.
     code = EXIT_FAILURE if report.problems else EXIT_OK
     if args.json:
-        print_json(_as_dict(report))
+        print_json(report.as_dict())
         return code
     verb = "would delete" if args.dry_run else "deleted"
     for checkpoint in report.manifests_deleted:
-        _out(f"{verb} checkpoint {checkpoint} (retention)")
-    _out(
+        out(f"{verb} checkpoint {checkpoint} (retention)")
+    out(
         f"{verb} {report.chunks_deleted} unreferenced chunks ({human_bytes(report.bytes_freed)}); "
         f"kept {report.chunks_referenced} referenced and {report.chunks_kept_in_grace} "
         "within the grace period"
     )
     if report.blocked_by:
-        _out(f"no chunk deleted: pushes in flight ({', '.join(report.blocked_by)})")
+        out(f"no chunk deleted: pushes in flight ({', '.join(report.blocked_by)})")
     if report.reserve_released:
-        _out("the store's disk was full: gc used the store's space reserve to run")
+        out("the store's disk was full: gc used the store's space reserve to run")
     if report.reserve_missing:
-        _out(
+        out(
             "warning: could not recreate the store's space reserve (disk still too full?); "
             "free more space (a smaller --keep-last, a shorter --grace) before it fills again"
         )
     for problem in report.problems:
-        _out(f"problem: {problem}")
+        out(f"problem: {problem}")
     if report.problems:
         sys.stderr.write(f"gpusnap: error: gc found {len(report.problems)} problem(s)\n")
     return code
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    out: Path = args.out
-    if out.exists() or out.is_symlink():
-        raise AlreadyExists(f"{out} exists; refusing to overwrite a key")
+    path: Path = args.out
+    if path.exists() or path.is_symlink():
+        raise AlreadyExists(f"{path} exists; refusing to overwrite a key")
     if args.encryption:
-        generate_encryption_key(out)
+        generate_encryption_key(path)
     else:
-        generate_signing_key(out)
-    os.chmod(out, 0o600)
+        generate_signing_key(path)
+    os.chmod(path, 0o600)
     kind = "encryption" if args.encryption else "signing"
-    if args.json:
-        print_json({"key_file": str(out), "kind": kind})
-    else:
-        _out(f"wrote {kind} key to {out} (mode 0600); keep it secret")
-    return EXIT_OK
+    return emit(
+        args.json,
+        {"key_file": str(path), "kind": kind},
+        lambda: f"wrote {kind} key to {path} (mode 0600); keep it secret",
+    )

@@ -10,14 +10,12 @@ take ``--json``; a daemon that cannot be reached is one line and exit 5.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
-from gpusnap.cli._client import connect
-from gpusnap.cli._common import Subparsers, common_parser, parse_duration
-from gpusnap.cli._output import PROG, print_json, render_table
-from gpusnap.errors import EXIT_OK
+from gpusnap.cli._client import query
+from gpusnap.cli._common import Subparsers, add_command, common_parser, parse_duration
+from gpusnap.cli._output import PROG, render_table
 
 
 def _ago(epoch: object) -> str:
@@ -109,58 +107,35 @@ def render_migrations(items: list[dict[str, Any]]) -> str:
 
 
 def cmd_triggers(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        state = client.triggers_status()
-    if args.json:
-        print_json(state)
-    else:
-        sys.stdout.write(render_triggers(state) + "\n")
-    return EXIT_OK
+    return query(args, lambda c: c.triggers_status(), render_triggers)
 
 
 def cmd_migrations(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        items = client.migrations()
-    if args.json:
-        print_json({"migrations": items})
-    else:
-        sys.stdout.write(render_migrations(items) + "\n")
-    return EXIT_OK
+    return query(args, lambda c: c.migrations(), render_migrations, key="migrations")
 
 
 def cmd_drill_reclaim(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        job = client.drill(args.deadline)
-    if args.json:
-        print_json(job)
-    else:
-        jid = job.get("id")
-        sys.stdout.write(
-            f"drill: reclaim checkpoint job {jid} of {job.get('workload')} started "
-            f"(deadline in {args.deadline or 120:g} s); follow it with `{PROG} job {jid}`\n"
+    def started(job: dict[str, Any]) -> str:
+        return (
+            f"drill: reclaim checkpoint job {job['id']} of {job['workload']} started "
+            f"(deadline in {args.deadline or 120:g} s); follow it with `{PROG} job {job['id']}`"
         )
-    return EXIT_OK
+
+    return query(args, lambda c: c.drill(args.deadline), started)
 
 
 def register(subparsers: Subparsers) -> None:
-    common = [common_parser()]
-    p = subparsers.add_parser(
-        "triggers", parents=common, help="reclaim watchers: provider, last poll, last notice"
-    )
-    p.set_defaults(func=cmd_triggers)
+    what = "reclaim watchers: provider, last poll, last notice"
+    add_command(subparsers, "triggers", cmd_triggers, what)
+    what = "migration requests: pending, claimed by whom, outcome"
+    add_command(subparsers, "migrations", cmd_migrations, what)
 
     p = subparsers.add_parser(
-        "migrations", parents=common, help="migration requests: pending, claimed by whom, outcome"
+        "drill", parents=[common_parser()], help="rehearse a reclaim on this node"
     )
-    p.set_defaults(func=cmd_migrations)
-
-    p = subparsers.add_parser("drill", parents=common, help="rehearse a reclaim on this node")
     drills = p.add_subparsers(dest="drill", metavar="<drill>", required=True)
-    d = drills.add_parser(
-        "reclaim",
-        parents=common,
-        help="checkpoint (kill mode) and publish every workload as if a notice had arrived",
-    )
+    what = "checkpoint (kill mode) and publish every workload as if a notice had arrived"
+    d = add_command(drills, "reclaim", cmd_drill_reclaim, what)
     d.add_argument(
         "--deadline",
         type=deadline_seconds,
@@ -168,4 +143,3 @@ def register(subparsers: Subparsers) -> None:
         metavar="SECONDS",
         help="seconds until the pretend reclaim (e.g. 30, 90s, 2m; default 120)",
     )
-    d.set_defaults(func=cmd_drill_reclaim)

@@ -27,8 +27,8 @@ from typing import Any
 
 from gpusnap import __version__
 from gpusnap.daemon import sdnotify
+from gpusnap.daemon.api import TcpListenerConfig, start_server, stop_server
 from gpusnap.daemon.config import DEFAULT_CONFIG_PATH, Config, load_config
-from gpusnap.daemon.grpc_server import TcpListenerConfig, start_server, stop_server
 from gpusnap.daemon.host.criu import Criu, systemd_running
 from gpusnap.daemon.metrics import start_metrics_server
 from gpusnap.daemon.service import DaemonService

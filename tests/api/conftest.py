@@ -1,7 +1,9 @@
-"""A small in-test service behind the real gRPC server on a real unix socket.
+"""The gRPC server on a real unix socket, in front of a small in-test service or the real one.
 
-It implements ``DaemonServiceAPI`` with canned answers so these tests prove the translation
-layer (servicer, client, CLI); the real service is tested end to end in tests/daemon/.
+``FakeService`` implements ``DaemonServiceAPI`` with canned answers in the real service's
+shapes, so tests prove the translation layer (servicer, wire, client, CLI) and every error
+kind; it checks no argument. ``real_server`` serves the real ``DaemonService`` (a file://
+store, no GPU), for what the service itself decides: which arguments it takes.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from typing import Any
 import grpc
 import pytest
 
-from gpusnap.daemon.api import DaemonServiceAPI
-from gpusnap.daemon.grpc_server import start_server, stop_server
+from gpusnap.daemon.api import DaemonServiceAPI, start_server, stop_server
+from gpusnap.daemon.config import parse_config
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, Progress
+from gpusnap.daemon.service import DaemonService
 from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import KINDS, NotFound
+from gpusnap.storage import generate_signing_key
 
 T0 = 1_700_000_000.25
 REPO = Path(__file__).resolve().parents[2]
@@ -81,30 +85,16 @@ class FakeService:
         self.snapshots[job.id] = [copy.deepcopy(job), running, final]
         self.jobs[job.id] = final
 
-    def checkpoint(
-        self,
-        *,
-        pid: int | None = None,
-        workload: str | None = None,
-        leave_running: bool = False,
-        trigger: str = "operator",
-        deadline: float | None = None,
-    ) -> Job:
-        self.calls.append(
-            (
-                "checkpoint",
-                {
-                    "pid": pid,
-                    "workload": workload,
-                    "leave_running": leave_running,
-                    "trigger": trigger,
-                    "deadline": deadline,
-                },
-            )
-        )
+    # Keyword arguments as the servicer passes them: ``calls`` shows every one it sent.
+    def checkpoint(self, **kw: Any) -> Job:
+        self.calls.append(("checkpoint", kw))
+        pid, workload = kw["pid"], kw["workload"]
         _raise_if_asked(workload)
         job = self._job(
-            JobKind.CHECKPOINT, workload or f"pid-{pid}", trigger=trigger, deadline=deadline
+            JobKind.CHECKPOINT,
+            workload or f"pid-{pid}",
+            trigger=kw["trigger"],
+            deadline=kw["deadline"],
         )
         if pid == FAILING_PID:
             self._script(
@@ -129,16 +119,9 @@ class FakeService:
             )
         return self.snapshots[job.id][0]
 
-    def restore(
-        self,
-        *,
-        checkpoint_id: str | None = None,
-        workload: str | None = None,
-        latest: bool = False,
-    ) -> Job:
-        self.calls.append(
-            ("restore", {"checkpoint_id": checkpoint_id, "workload": workload, "latest": latest})
-        )
+    def restore(self, **kw: Any) -> Job:
+        self.calls.append(("restore", kw))
+        checkpoint_id, workload = kw["checkpoint_id"], kw["workload"]
         _raise_if_asked(checkpoint_id)
         job = self._job(JobKind.RESTORE, workload or "llm")
         if checkpoint_id == INCOMPATIBLE_ID:
@@ -180,7 +163,7 @@ class FakeService:
 
     def list_jobs(self, limit: int = 50) -> list[Job]:
         self.calls.append(("list_jobs", {"limit": limit}))
-        return list(reversed(self.jobs.values()))[:limit]
+        return list(reversed(self.jobs.values()))[: limit or 50]  # 0: as the service
 
     def cancel_job(self, job_id: str) -> Job:
         job = self.get_job(job_id)
@@ -202,9 +185,10 @@ class FakeService:
             {
                 "checkpoint_id": "ckpt-1",
                 "workload": workload or "llm",
-                "created": T0,
-                "bytes_total": 1024,
+                "created_at": T0,
                 "parent": None,
+                "bytes_total": 1024,
+                "files": 2,
             }
         ]
 
@@ -212,19 +196,62 @@ class FakeService:
         _raise_if_asked(checkpoint_id)
         if checkpoint_id != "ckpt-1":
             raise NotFound(f"no checkpoint {checkpoint_id}")
-        return {
+        return {  # as DaemonService.show_checkpoint: the manifest, files without chunks
+            "schema_version": 1,
             "checkpoint_id": "ckpt-1",
             "workload": "llm",
-            "created": T0,
+            "created_at": T0,
+            "parent": None,
             "stamp": {"host": {"arch": "x86_64"}, "model": {"revision": "abc123"}},
-            "files": [{"path": "pages-1.img", "size": 1024, "chunks": ["a", "b"]}],
+            "spec": {},
+            "files": [{"path": "pages-1.img", "size": 1024}],
+            "totals": {"bytes_total": 1024, "chunks_total": 2},
+            "extra": {},
+            "bytes_total": 1024,
         }
 
     def list_workloads(self) -> list[dict[str, Any]]:
-        return [{"name": "llm", "pid_file": "/run/llm.pid", "engine": {"name": "vllm"}}]
+        return [
+            {
+                "name": "llm",
+                "running": True,
+                "pid": 4321,
+                "finder": "pid_file /run/llm.pid",
+                "engine": "vllm 0.11.0",
+                "model": "llama@abc123",
+                "active_job": None,
+                "last_checkpoint_id": "ckpt-1",
+                "last_checkpoint_at": T0,
+                "last_checkpoint_age_seconds": 3725.5,
+                "store_error": None,
+            }
+        ]
 
     def status(self) -> dict[str, Any]:
-        return {"version": "0.1.0", "jobs_running": 0, "store": "file:///var/lib/gpusnap/store"}
+        return {
+            "version": "0.1.0",
+            "node_id": "node-a",
+            "pid": 4242,
+            "uptime_seconds": 12.5,
+            "socket": "/run/gpusnap/gpusnapd.sock",
+            "state_dir": "/var/lib/gpusnap",
+            "staging_dir": "/var/lib/gpusnap/staging",
+            "store": {"url": "file:///var/lib/gpusnap/store", "reachable": True, "error": None},
+            "host": {"arch": "x86_64", "kernel": "6.1.0", "cpus": 2},
+            "gpu": {"driver_present": False, "message": "GPU support is off"},
+            "capabilities": {"criu": "criu 4.1.1", "gpu": "none", "store": "reachable"},
+            "jobs_running": 0,
+            "workloads": [
+                {
+                    "name": "llm",
+                    "last_checkpoint_id": None,
+                    "last_checkpoint_at": None,
+                    "last_checkpoint_age_seconds": None,
+                }
+            ],
+            "interrupted_at_start": ["job-0"],
+            "triggers": False,
+        }
 
     def triggers_status(self) -> dict[str, Any]:
         return {"aws": {"state": "watching", "last_poll": T0}}
@@ -262,6 +289,30 @@ def server(service: FakeService, socket_dir: Path) -> Iterator[Path]:
     srv: grpc.Server = start_server(_typed(service), socket_path=path, socket_group=None)
     yield path
     stop_server(srv, path, grace=None)
+
+
+@pytest.fixture
+def real_server(socket_dir: Path, tmp_path: Path) -> Iterator[tuple[Path, DaemonService]]:
+    """The real ``DaemonService`` (file:// store, signed manifests, no GPU, one workload
+    ``svc`` that is not running) served on a socket; yields the socket and the service."""
+    path = socket_dir / "gpusnapd.sock"
+    key = tmp_path / "signing.key"
+    generate_signing_key(key)
+    config = parse_config(
+        {
+            "daemon": {"socket": str(path), "state_dir": str(tmp_path / "state"), "node_id": "a"},
+            "store": {"url": f"file://{tmp_path / 'store'}", "key_file": str(key)},
+            "gpu": {"driver": "none"},
+            "workload": [{"name": "svc", "pid_file": str(tmp_path / "svc.pid")}],
+        }
+    )
+    service = DaemonService(config)
+    srv = start_server(service, socket_path=path, socket_group=None)
+    try:
+        yield path, service
+    finally:
+        stop_server(srv, path, grace=None)
+        service.close()
 
 
 def run_cli(

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from gpusnap.cli._client import DaemonClient
-from gpusnap.errors import ERROR_TABLE, KINDS, Internal, InvalidArgument, NotFound
+from gpusnap.errors import ERROR_TABLE, KINDS, Internal, NotFound
 from gpusnap.proto.gpusnap.v1 import ERROR_KIND_METADATA_KEY
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
@@ -66,15 +66,3 @@ def test_a_bug_in_the_service_is_internal_with_one_line(server: Path) -> None:
 def test_unknown_job_in_watch_is_not_found(server: Path) -> None:
     with pytest.raises(NotFound):
         list(DaemonClient.for_socket(server).watch_job("job-nope"))
-
-
-def test_servicer_rejects_requests_missing_their_target(server: Path) -> None:
-    with grpc.insecure_channel(f"unix:{server}") as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.CheckpointsStub(channel).Create(pb.CreateCheckpointRequest(), timeout=30)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.RestoresStub(channel).Restore(pb.RestoreRequest(workload="llm"), timeout=30)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(InvalidArgument):
-        DaemonClient.for_socket(server).drill(-1.0)

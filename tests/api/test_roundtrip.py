@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.cli._client import DaemonClient, job_to_dict
-from gpusnap.daemon.grpc_server import job_to_pb
+from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
+from gpusnap.proto.wire import job_from_pb, job_to_pb
 from tests.api.conftest import INCOMPATIBLE_ID, T0, FakeService
 
 
@@ -86,17 +86,17 @@ def test_restore_compat_and_lists(client: DaemonClient, service: FakeService) ->
     jobs = client.list_jobs(limit=1)
     assert service.calls[-1] == ("list_jobs", {"limit": 1})
     assert [j["kind"] for j in jobs] == ["restore"]
-    assert client.list_jobs()  # limit 0 on the wire means the daemon's default
-    assert service.calls[-1] == ("list_jobs", {"limit": 50})
+    client.list_jobs()  # limit 0 on the wire: the service's default, the service decides it
+    assert service.calls[-1] == ("list_jobs", {"limit": 0})
 
-    assert client.list_checkpoints("llm")[0]["bytes_total"] == 1024
+    assert client.list_checkpoints("llm") == service.list_checkpoints("llm")
     assert service.calls[-1] == ("list_checkpoints", {"workload": "llm"})
     client.list_checkpoints()
     assert service.calls[-1] == ("list_checkpoints", {"workload": None})
     shown = client.show_checkpoint("ckpt-1")
+    assert shown == service.show_checkpoint("ckpt-1")
     assert shown["stamp"]["model"]["revision"] == "abc123"
-    assert shown["files"][0]["chunks"] == ["a", "b"]
-    assert shown["files"][0]["size"] == 1024
+    assert shown["files"][0]["size"] == 1024 and isinstance(shown["files"][0]["size"], int)
     assert client.list_workloads() == service.list_workloads()
     assert client.status() == service.status()
 
@@ -146,7 +146,7 @@ def test_job_conversion_round_trips_every_state_and_phase() -> None:
             job = Job(
                 id="j", kind=JobKind.RESTORE, workload="w", state=state, phase=phase, deadline=T0
             )
-            back = job_to_dict(job_to_pb(job))
+            back = job_from_pb(job_to_pb(job))
             assert (back["state"], back["phase"], back["kind"]) == (
                 state.value,
                 phase.value,

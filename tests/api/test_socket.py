@@ -19,7 +19,7 @@ import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from gpusnap.cli._client import DaemonClient
-from gpusnap.daemon.grpc_server import TcpListenerConfig, start_server, stop_server
+from gpusnap.daemon.api.listeners import TcpListenerConfig, start_server, stop_server
 from gpusnap.errors import EXIT_DAEMON_UNREACHABLE, AlreadyExists, FailedPrecondition
 from tests.api.conftest import REPO, FakeService
 from tests.support.tls import Ca, free_port

@@ -1,0 +1,80 @@
+"""The service surface the gRPC servicers translate to: what gpusnapd can be asked to do.
+
+``DaemonServiceAPI`` is a structural type: ``daemon/service.py``'s ``DaemonService`` satisfies
+it, and so does any test double. The servicers (``daemon/api/servicers.py``) only convert
+protobuf messages to these calls and the results back; every decision, every check of an
+argument included, is made behind this interface. Methods raise the error kinds of
+``gpusnap.errors``. Jobs and verdicts are typed by the shape the wire needs of them
+(``gpusnap.proto.wire.JobView``/``VerdictView``), so this room imports nothing of the daemon's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from gpusnap.proto.wire import JobView, VerdictView
+
+
+class DaemonServiceAPI(Protocol):
+    """What ``DaemonService`` offers its API; mirrored one-to-one by ``gpusnap.v1`` RPCs."""
+
+    def checkpoint(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        leave_running: bool = False,
+        trigger: str = "operator",
+        deadline: float | None = None,
+    ) -> JobView:
+        """Queue a checkpoint of ``pid``'s tree or of a configured workload; returns at once."""
+        ...
+
+    def restore(
+        self,
+        *,
+        checkpoint_id: str | None = None,
+        workload: str | None = None,
+        latest: bool = False,
+    ) -> JobView:
+        """Queue a restore of a checkpoint (or a workload's latest); returns at once."""
+        ...
+
+    def compat(self, checkpoint_id: str) -> VerdictView:
+        """The compatibility gate's verdict for this node, without acting on it."""
+        ...
+
+    def get_job(self, job_id: str) -> JobView: ...
+
+    def list_jobs(self, limit: int = 50) -> Sequence[JobView]: ...
+
+    def cancel_job(self, job_id: str) -> JobView: ...
+
+    def watch_job(self, job_id: str) -> Iterator[JobView]:
+        """A snapshot now and on each change; ends after a terminal state."""
+        ...
+
+    def list_checkpoints(self, workload: str | None = None) -> Sequence[Mapping[str, Any]]:
+        """Summaries, newest first; keys are ``CheckpointSummary``'s fields."""
+        ...
+
+    def show_checkpoint(self, checkpoint_id: str) -> Mapping[str, Any]:
+        """The manifest (free-form), stamp included."""
+        ...
+
+    def list_workloads(self) -> Sequence[Mapping[str, Any]]:
+        """Keys are ``Workload``'s fields."""
+        ...
+
+    def status(self) -> Mapping[str, Any]:
+        """Keys are ``DaemonStatus``'s fields."""
+        ...
+
+    def triggers_status(self) -> Mapping[str, Any]: ...
+
+    def migrations(self) -> Sequence[Mapping[str, Any]]: ...
+
+    def drill(self, deadline_s: float | None) -> JobView:
+        """Rehearse a reclaim: checkpoint as if a notice had arrived now."""
+        ...
