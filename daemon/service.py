@@ -1,4 +1,4 @@
-"""``DaemonService``: what gpusnapd does, behind the gRPC API (``daemon/api.py``).
+"""``DaemonService``: what gpusnapd does, behind the gRPC API (``daemon/api/``).
 
 The service decides; the servicer only translates. Checkpoint and restore requests become
 jobs (``daemon/jobs/``) whose bodies are ``checkpoint.run_checkpoint`` and

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,7 +245,28 @@ def test_remap_on_a_driver_without_gpu_pairs_is_unsupported(fake, sleepers, make
     assert fake.state_of(pid) == "CHECKPOINTED"
 
 
-def test_worker_that_dies_is_replaced(fake, sleepers, make_coordinator):
+def test_a_worker_killed_during_a_call_fails_that_call_and_is_replaced(
+    fake, sleepers, make_coordinator
+):
+    (pid,) = sleepers(1)
+    fake.add_process(pid)
+    coordinator = make_coordinator()
+    coordinator.capabilities()
+    old = coordinator._worker.pid
+    assert old is not None
+    fake.fault("get_state", pid, hang_s=60)
+    pending = coordinator._worker.begin("get_state", pid)
+    _until(lambda: fake.read()["faults"] == [])  # the worker took it: it hangs in the call
+    os.kill(old, signal.SIGKILL)
+    with pytest.raises(Internal, match="GPU worker died during"):
+        pending.result()
+    assert coordinator._worker.call("get_state", pid) == "RUNNING"
+    assert coordinator._worker.pid != old
+
+
+def test_a_worker_that_died_between_calls_is_replaced_by_the_next_call(
+    fake, sleepers, make_coordinator
+):
     (pid,) = sleepers(1)
     fake.add_process(pid)
     coordinator = make_coordinator()
@@ -251,7 +274,18 @@ def test_worker_that_dies_is_replaced(fake, sleepers, make_coordinator):
     old = coordinator._worker.pid
     assert old is not None
     os.kill(old, signal.SIGKILL)
-    with pytest.raises(Internal, match="GPU worker died"):
-        coordinator._worker.call("get_state", pid)
-    assert coordinator._worker.call("get_state", pid) == "RUNNING"
+    _until(lambda: _is_zombie(old))  # it has exited, and nobody has reaped it yet
+    assert coordinator._worker.call("get_state", pid) == "RUNNING"  # nothing was lost
     assert coordinator._worker.pid != old
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30  # a hang guard only
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.01)
+
+
+def _is_zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
