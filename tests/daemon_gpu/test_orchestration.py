@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
+from gpusnap.daemon.gpu.worker import GpuWorker
 from gpusnap.errors import DeadlineExceeded, FailedPrecondition, Internal, Unsupported
 from tests.fakes.fake_cuda import GIB, FakeCuda, default_devices
 
@@ -245,38 +246,43 @@ def test_remap_on_a_driver_without_gpu_pairs_is_unsupported(fake, sleepers, make
     assert fake.state_of(pid) == "CHECKPOINTED"
 
 
-def test_a_worker_killed_during_a_call_fails_that_call_and_is_replaced(
-    fake, sleepers, make_coordinator
-):
+def _one_process_and_its_worker(
+    fake: FakeCuda,
+    sleepers: Callable[[int], list[int]],
+    make_coordinator: Callable[..., GpuCoordinator],
+) -> tuple[int, GpuWorker, int]:
+    """A CUDA process, and a coordinator's worker already started: (pid, worker, its pid)."""
     (pid,) = sleepers(1)
     fake.add_process(pid)
     coordinator = make_coordinator()
     coordinator.capabilities()
-    old = coordinator._worker.pid
-    assert old is not None
+    worker = coordinator._worker
+    assert worker.pid is not None
+    return pid, worker, worker.pid
+
+
+def test_a_worker_killed_during_a_call_fails_that_call_and_is_replaced(
+    fake, sleepers, make_coordinator
+):
+    pid, worker, old = _one_process_and_its_worker(fake, sleepers, make_coordinator)
     fake.fault("get_state", pid, hang_s=60)
-    pending = coordinator._worker.begin("get_state", pid)
+    pending = worker.begin("get_state", pid)
     _until(lambda: fake.read()["faults"] == [])  # the worker took it: it hangs in the call
     os.kill(old, signal.SIGKILL)
     with pytest.raises(Internal, match="GPU worker died during"):
         pending.result()
-    assert coordinator._worker.call("get_state", pid) == "RUNNING"
-    assert coordinator._worker.pid != old
+    assert worker.call("get_state", pid) == "RUNNING"
+    assert worker.pid != old
 
 
 def test_a_worker_that_died_between_calls_is_replaced_by_the_next_call(
     fake, sleepers, make_coordinator
 ):
-    (pid,) = sleepers(1)
-    fake.add_process(pid)
-    coordinator = make_coordinator()
-    coordinator.capabilities()
-    old = coordinator._worker.pid
-    assert old is not None
+    pid, worker, old = _one_process_and_its_worker(fake, sleepers, make_coordinator)
     os.kill(old, signal.SIGKILL)
     _until(lambda: _is_zombie(old))  # it has exited, and nobody has reaped it yet
-    assert coordinator._worker.call("get_state", pid) == "RUNNING"  # nothing was lost
-    assert coordinator._worker.pid != old
+    assert worker.call("get_state", pid) == "RUNNING"  # nothing was lost
+    assert worker.pid != old
 
 
 def _until(condition: Callable[[], bool]) -> None:
