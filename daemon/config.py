@@ -5,7 +5,7 @@ whose one-line message names the key (and suggests the closest known one), and t
 refuses to start with it. ``docs/config.md`` documents the same keys.
 
 The ``[triggers]`` and ``[migration]`` sections belong to the trigger and migration code; when
-that code offers ``parse_triggers_config`` / ``parse_migration_config`` they are parsed by it,
+that code offers ``parse_triggers`` / ``parse_migration`` they are parsed by it,
 otherwise they are kept as raw tables.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusnap.daemon.config_table import Table
-from gpusnap.daemon.triggers.policy import POLICY_KEYS, parse_workload_policy
+from gpusnap.daemon.reclaim.config import POLICY_KEYS, parse_workload_policy
 from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage.backend import BackendOptions, registered_schemes
 from gpusnap.storage.keys import load_encryption_key, load_signing_key
@@ -108,7 +108,7 @@ class WorkloadConfig:
     model: ModelSpec | None = None
     start: StartSpec | None = None
     # Trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), checked
-    # and interpreted by gpusnap.daemon.triggers.policy.
+    # and interpreted by gpusnap.daemon.reclaim.config.
     policy: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -132,8 +132,8 @@ class Config:
     workloads: tuple[WorkloadConfig, ...]
     gpu: GpuSection
     metrics: MetricsSection
-    triggers: Any  # parsed by gpusnap.daemon.triggers when it can, else the raw table
-    migration: Any  # parsed by gpusnap.daemon.migration when it can, else the raw table
+    triggers: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
+    migration: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     def workload(self, name: str) -> WorkloadConfig | None:
@@ -189,10 +189,10 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
     gpu = _parse_gpu(top.table("gpu"))
     metrics = _parse_metrics(top.table("metrics"))
     triggers = _parse_plugged(
-        top.raw_table("triggers"), "gpusnap.daemon.triggers.config", "parse_triggers_config"
+        top.raw_table("triggers"), "gpusnap.daemon.reclaim.config", "parse_triggers"
     )
     migration = _parse_plugged(
-        top.raw_table("migration"), "gpusnap.daemon.migration", "parse_migration_config"
+        top.raw_table("migration"), "gpusnap.daemon.reclaim.config", "parse_migration"
     )
     top.done()
     _check_store_keys(store)

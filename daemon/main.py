@@ -100,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _start_triggers(service: DaemonService, config: Config) -> None:
     """Issue 5 wires its TriggerManager here through ``start_triggers(service, config)``."""
     try:
-        wiring = importlib.import_module("gpusnap.daemon.triggers.wiring")
+        wiring = importlib.import_module("gpusnap.daemon.reclaim.plug")
     except ModuleNotFoundError as exc:
-        if exc.name != "gpusnap.daemon.triggers.wiring":
+        if exc.name != "gpusnap.daemon.reclaim.plug":
             raise
         return
     manager = wiring.start_triggers(service, config)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs everything gpusnap and its tests need on a fresh Debian 12/13 machine (as root):
-# system packages, CRIU >= 4 (scripts/install-criu.sh), and a virtualenv in .venv with the
-# package installed editable plus its dev tools. Idempotent: a second run only checks.
+# system packages (gcc and make build the tests' fake libcuda.so.1), CRIU >= 4
+# (scripts/install-criu.sh), and a virtualenv in .venv with the package installed editable plus
+# its dev tools. Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
 need_apt=()
-for bin in zstd systemd-analyze ip dbus-daemon; do
+for bin in zstd systemd-analyze ip dbus-daemon gcc make; do
   command -v "$bin" >/dev/null 2>&1 || need_apt+=("$bin")
 done
 if ((${#need_apt[@]})); then
@@ -18,6 +19,8 @@ if ((${#need_apt[@]})); then
       systemd-analyze) pkgs+=(systemd) ;;
       ip) pkgs+=(iproute2) ;;
       dbus-daemon) pkgs+=(dbus) ;;
+      gcc) pkgs+=(gcc) ;;
+      make) pkgs+=(make) ;;
     esac
   done
   echo "bootstrap: installing ${pkgs[*]}" >&2

@@ -1,16 +1,24 @@
 """The checkpoint store: content-addressed, authenticated, crash-safe, on a directory or S3.
 
-Files are cut into content-defined chunks named by their hash, compressed, optionally
-encrypted, and uploaded once; a signed manifest, written last, makes a checkpoint exist.
-``open_store`` is the entry point; ``docs/design.md`` documents the format.
+What it holds: the backends (``file://``, ``s3://``) behind one small protocol, with retry
+wrapped around them; the key layout; content-defined chunking, the chunk codec (zstd,
+BLAKE3 names, AES-256-GCM) and the manifest; push, pull, verify and gc with the lock
+protocol between a push and a gc; signed records for other parts' small objects; the node's
+local chunk index. Files are cut into chunks named by their hash and uploaded once; a signed
+manifest, written last, makes a checkpoint exist. ``open_store`` is the entry point;
+``docs/design.md`` documents the format.
 
-This package imports nothing of gpusnap's but itself (no daemon, no cli, no proto).
+This package imports nothing of gpusnap's but itself and ``gpusnap.errors`` (no daemon, no
+cli, no proto).
 """
 
 from gpusnap.storage.backend import Backend, BackendOptions, ObjectInfo, open_backend
+from gpusnap.storage.context import StoreContext
 from gpusnap.storage.keys import export_public_key, generate_encryption_key, generate_signing_key
+from gpusnap.storage.layout import MIGRATION_PREFIX
 from gpusnap.storage.manifest import ChunkRef, FileEntry, Manifest, ManifestSummary
-from gpusnap.storage.pipeline import ProgressFn
+from gpusnap.storage.parallel import ProgressFn
+from gpusnap.storage.records import SignedRecords
 from gpusnap.storage.store import (
     CheckpointStore,
     GcReport,
@@ -21,6 +29,7 @@ from gpusnap.storage.store import (
 )
 
 __all__ = [
+    "MIGRATION_PREFIX",
     "Backend",
     "BackendOptions",
     "CheckpointStore",
@@ -33,6 +42,8 @@ __all__ = [
     "ProgressFn",
     "PullResult",
     "PushResult",
+    "SignedRecords",
+    "StoreContext",
     "VerifyReport",
     "export_public_key",
     "generate_encryption_key",

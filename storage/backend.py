@@ -1,12 +1,14 @@
 """The storage backend protocol: a flat key/value object store, about six methods.
 
 Backends know nothing of chunks or manifests; they move opaque bytes under ``/``-separated
-keys. Each backend is one module registered under its URL scheme (``file``, ``s3``).
+keys. Each backend is one module whose factory is registered under its URL scheme (``file``,
+``s3``).
 Retry, backoff and logging wrap a backend (``RetryingBackend``); they are not inside it.
 
 Errors: a missing key raises ``NotFound``; an ``if_absent`` put onto an existing key raises
-``AlreadyExists``; a transport problem raises ``Unavailable`` (retryable); anything else
-raised by the underlying library is translated at this boundary.
+``AlreadyExists`` (each backend says both in the same words: ``no_object``, ``key_taken``);
+a transport problem raises ``Unavailable`` (retryable); anything else raised by the underlying
+library is translated at this boundary. What a valid key is, is ``layout.validate_key``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import importlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit
 
-from gpusnap.errors import InvalidArgument
+from gpusnap.errors import AlreadyExists, InvalidArgument, NotFound
+from gpusnap.storage.layout import CONTROL_CHARS
 from gpusnap.storage.retry import RetryingBackend  # retry.py needs this module for types only
 
 
@@ -89,6 +93,22 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def check_range(key: str, offset: int, length: int | None) -> None:
+    """Refuse a ``get`` range no object has (``InvalidArgument``)."""
+    if offset < 0 or (length is not None and length < 0):
+        raise InvalidArgument(f"invalid range for {key!r}: offset {offset}, length {length}")
+
+
+def no_object(url: str, key: str) -> NotFound:
+    """What every backend raises for a missing key."""
+    return NotFound(f"no object {key!r} in {url}")
+
+
+def key_taken(url: str, key: str) -> AlreadyExists:
+    """What every backend raises for an ``if_absent`` put onto an existing key."""
+    return AlreadyExists(f"object {key!r} already exists in {url}")
 
 
 @runtime_checkable
@@ -179,25 +199,27 @@ BackendFactory = Callable[[str, BackendOptions], Backend]
 _REGISTRY: dict[str, BackendFactory] = {}
 
 
-# Built-in backends register themselves when their module is imported. They are imported
-# lazily, only when their scheme is asked for, so that ``file://`` users never pay for boto3.
-_BUILTIN_MODULES: dict[str, str] = {
-    "file": "gpusnap.storage.file_backend",
-    "s3": "gpusnap.storage.s3_backend",
+# Built-in backends: their module and factory, imported lazily, only when their scheme is
+# asked for, so that ``file://`` users never pay for boto3.
+_BUILTIN: dict[str, tuple[str, str]] = {
+    "file": ("gpusnap.storage.file_backend", "open_file_backend"),
+    "s3": ("gpusnap.storage.s3_backend", "open_s3_backend"),
 }
 
 
 def register_backend(scheme: str, factory: BackendFactory) -> None:
+    """Make ``open_backend`` open ``scheme://`` URLs with ``factory`` (a backend of one's own)."""
     _REGISTRY[scheme] = factory
 
 
 def registered_schemes() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+    return sorted(set(_REGISTRY) | set(_BUILTIN))
 
 
 def backend_factory(scheme: str) -> BackendFactory | None:
-    if scheme not in _REGISTRY and scheme in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[scheme])
+    if scheme not in _REGISTRY and scheme in _BUILTIN:
+        module, name = _BUILTIN[scheme]
+        register_backend(scheme, getattr(importlib.import_module(module), name))
     return _REGISTRY.get(scheme)
 
 
@@ -205,12 +227,13 @@ def open_backend(url: str, options: BackendOptions | None = None) -> Backend:
     """Open the store at ``url`` (``file:///abs/path`` or ``s3://bucket/prefix``).
 
     The backend comes wrapped in a ``RetryingBackend`` configured from ``options``.
-    A malformed URL or an unknown scheme raises ``InvalidArgument``.
+    A malformed URL (control characters, no scheme, a query or fragment) or an unknown
+    scheme raises ``InvalidArgument``; the backend's factory checks the rest.
     """
     options = options or BackendOptions()
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgument("store URL is empty; expected file:///path or s3://bucket/prefix")
-    if any(ch in url for ch in _FORBIDDEN_URL_CHARS):
+    if any(ch in url for ch in CONTROL_CHARS):
         raise InvalidArgument(f"store URL {url!r} contains control characters")
     scheme, sep, _ = url.partition("://")
     if not sep or not scheme:
@@ -224,6 +247,9 @@ def open_backend(url: str, options: BackendOptions | None = None) -> Backend:
             f"store URL {url!r} has unknown scheme {scheme!r}; "
             f"supported: {', '.join(registered_schemes())}"
         )
+    parts = urlsplit(url)
+    if parts.query or parts.fragment:
+        raise InvalidArgument(f"store URL {url!r} may not carry a query or fragment")
     inner = factory(url, options)
     return RetryingBackend(
         inner,
@@ -232,56 +258,3 @@ def open_backend(url: str, options: BackendOptions | None = None) -> Backend:
         max_delay=options.retry_max_delay,
         deadline=options.retry_deadline,
     )
-
-
-_FORBIDDEN_URL_CHARS = frozenset(chr(c) for c in range(32)) | {"\x7f"}
-MAX_KEY_LENGTH = 1024
-
-
-def validate_key(key: str) -> str:
-    """Return ``key`` if it is a safe object key, else raise ``InvalidArgument``.
-
-    A key is ``/``-separated segments, relative, with no empty, ``.`` or ``..`` segment, no
-    backslash and no control character. Every backend checks keys with this one function so
-    that a key accepted by one store is accepted by all, and none can name a path outside a
-    ``file://`` root.
-    """
-    _check_path_like(key, what="key")
-    if key.endswith("/"):
-        raise InvalidArgument(f"invalid store key {key!r}: ends with '/'")
-    return key
-
-
-def is_valid_key(key: str) -> bool:
-    """Whether ``validate_key`` accepts ``key``: a listing skips (and logs) any other name."""
-    try:
-        validate_key(key)
-    except InvalidArgument:
-        return False
-    return True
-
-
-def validate_prefix(prefix: str) -> str:
-    """Like ``validate_key`` for a listing prefix: may be empty and may end with ``/``."""
-    if prefix == "":
-        return prefix
-    _check_path_like(prefix.removesuffix("/"), what="prefix")
-    return prefix
-
-
-def _check_path_like(value: str, *, what: str) -> None:
-    if not isinstance(value, str) or value == "":
-        raise InvalidArgument(f"invalid store {what} {value!r}: empty")
-    if len(value.encode("utf-8", "surrogatepass")) > MAX_KEY_LENGTH:
-        raise InvalidArgument(f"invalid store {what}: longer than {MAX_KEY_LENGTH} bytes")
-    if value.startswith("/"):
-        raise InvalidArgument(f"invalid store {what} {value!r}: absolute")
-    if "\\" in value:
-        raise InvalidArgument(f"invalid store {what} {value!r}: contains a backslash")
-    if any(ch in _FORBIDDEN_URL_CHARS for ch in value):
-        raise InvalidArgument(f"invalid store {what} {value!r}: contains a control character")
-    for segment in value.split("/"):
-        if segment in ("", ".", ".."):
-            raise InvalidArgument(
-                f"invalid store {what} {value!r}: empty, '.' or '..' path segment"
-            )

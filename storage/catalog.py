@@ -1,6 +1,6 @@
 """The checkpoints a store holds: manifests found by id, read and authenticated, listed, written.
 
-A manifest lives at ``manifests/<workload>/<checkpoint id>`` (``manifest.manifest_key``) as a
+A manifest lives at ``manifests/<workload>/<checkpoint id>`` (``layout.manifest_key``) as a
 sealed envelope (``keys.seal``). Reading checks the seal and that the manifest describes the
 checkpoint its key names; listing skips objects under ``manifests/`` that are not manifest
 keys, and leaves out manifests that fail their checks, saying which and why. Writing is the
@@ -10,7 +10,6 @@ commit of a push: the object is created only if absent, so a checkpoint is never
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from gpusnap.errors import (
     AlreadyExists,
@@ -20,16 +19,18 @@ from gpusnap.errors import (
     NotFound,
 )
 from gpusnap.storage.backend import Backend
-from gpusnap.storage.keys import EncryptionKeys, SigningKey, seal, unseal
+from gpusnap.storage.context import StoreContext
+from gpusnap.storage.layout import (
+    MANIFEST_PREFIX,
+    manifest_key,
+    manifest_prefix,
+    split_manifest_key,
+)
 from gpusnap.storage.manifest import (
     ENVELOPE_FORMAT,
-    MANIFEST_PREFIX,
     Manifest,
     ManifestSummary,
     check_checkpoint_id,
-    check_workload,
-    manifest_key,
-    split_manifest_key,
 )
 
 log = logging.getLogger(__name__)
@@ -45,54 +46,44 @@ def find_manifest_key(backend: Backend, checkpoint_id: str) -> str:
     raise NotFound(f"checkpoint {checkpoint_id} not found")
 
 
-def read_manifest(
-    backend: Backend,
-    key: str,
-    *,
-    signer: SigningKey | None,
-    encryption: EncryptionKeys | None,
-    verify: bool,
-) -> Manifest:
-    """The manifest stored at ``key``, opened (and with ``verify`` authenticated)."""
+def read_manifest(ctx: StoreContext, key: str, *, verify: bool | None = None) -> Manifest:
+    """The manifest stored at ``key``, opened and (unless ``verify`` is off) authenticated.
+
+    ``verify`` defaults to the store's setting.
+    """
     parts = split_manifest_key(key)
     if parts is None:
         raise Corrupt(f"store object {key} is not a manifest key")
     workload, checkpoint_id = parts
-    blob = backend.get(key)
-    payload = unseal(
-        blob,
-        ENVELOPE_FORMAT,
-        signer=signer,
-        encryption=encryption,
-        verify=verify,
-        what=f"manifest {checkpoint_id}",
-    )
+    what = f"manifest {checkpoint_id}"
+    payload = ctx.keys.unseal(ctx.backend.get(key), ENVELOPE_FORMAT, what=what, verify=verify)
     manifest = Manifest.from_json(payload)
     if manifest.checkpoint_id != checkpoint_id or manifest.workload != workload:
         raise Corrupt(f"manifest {key} describes {manifest.workload}/{manifest.checkpoint_id}")
     return manifest
 
 
+def fetch_manifest(ctx: StoreContext, checkpoint_id: str) -> Manifest:
+    """The checkpoint's manifest, found, fetched and authenticated (``NotFound``/``Corrupt``)."""
+    return read_manifest(ctx, find_manifest_key(ctx.backend, checkpoint_id))
+
+
 def list_manifests(
-    backend: Backend, workload: str | None, read: Callable[[str], Manifest]
+    ctx: StoreContext, workload: str | None
 ) -> tuple[list[ManifestSummary], list[tuple[str, GpusnapError]]]:
     """Summaries of the checkpoints (of ``workload``), newest first, and those left out.
 
-    ``read`` opens the manifest at a key. One that cannot be read (not authenticated, the
-    wrong key, altered) is left out of the list and returned with why; one deleted while
-    listing is simply gone.
+    One that cannot be read (not authenticated, the wrong key, altered) is left out of the
+    list and returned with why; one deleted while listing is simply gone.
     """
-    prefix = (
-        MANIFEST_PREFIX if workload is None else f"{MANIFEST_PREFIX}{check_workload(workload)}/"
-    )
     out: list[ManifestSummary] = []
     skipped: list[tuple[str, GpusnapError]] = []
-    for info in backend.list(prefix):
+    for info in ctx.backend.list(manifest_prefix(workload)):
         if split_manifest_key(info.key) is None:
             log.warning("skipping %r: not a manifest key", info.key)
             continue
         try:
-            out.append(ManifestSummary.of(read(info.key)))
+            out.append(ManifestSummary.of(read_manifest(ctx, info.key)))
         except (Corrupt, NotFound, FailedPrecondition) as exc:
             if not isinstance(exc, NotFound):  # deleted while we listed: not a problem
                 skipped.append((info.key, exc))
@@ -101,19 +92,15 @@ def list_manifests(
     return out, skipped
 
 
-def write_manifest(
-    backend: Backend,
-    manifest: Manifest,
-    *,
-    signer: SigningKey | None,
-    encryption: EncryptionKeys | None,
-) -> None:
+def write_manifest(ctx: StoreContext, manifest: Manifest) -> None:
     """Seal ``manifest`` and create its object: the checkpoint exists from here on.
 
     ``AlreadyExists`` if a checkpoint with its id does.
     """
-    blob = seal(ENVELOPE_FORMAT, manifest.to_json(), signer=signer, encryption=encryption)
+    blob = ctx.keys.seal(ENVELOPE_FORMAT, manifest.to_json())
     try:
-        backend.put(manifest_key(manifest.workload, manifest.checkpoint_id), blob, if_absent=True)
+        ctx.backend.put(
+            manifest_key(manifest.workload, manifest.checkpoint_id), blob, if_absent=True
+        )
     except AlreadyExists as exc:
         raise AlreadyExists(f"checkpoint {manifest.checkpoint_id} already exists") from exc

@@ -1,7 +1,7 @@
 """The ``file://`` backend: objects are files under a root directory on a local disk.
 
 ``file:///abs/path`` maps key ``a/b/c`` to ``/abs/path/a/b/c``. Every key is checked by
-``validate_key`` (relative, no ``..``, no empty segment, no backslash, no control character)
+``layout.validate_key`` (relative, no ``..``, no empty segment, no backslash, no control character)
 and may not name one of this module's temp files, so nothing is ever read or written outside
 the root. Directories are created with mode 0700 and files with mode 0600: a store holds
 process memory.
@@ -37,26 +37,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote, urlsplit
 
-from gpusnap.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    GpusnapError,
-    Internal,
-    InvalidArgument,
-    NotFound,
-)
-from gpusnap.storage.backend import (
-    BackendOptions,
-    ObjectInfo,
-    is_valid_key,
-    register_backend,
-    validate_key,
-    validate_prefix,
-)
+from gpusnap.errors import FailedPrecondition, GpusnapError, Internal, InvalidArgument, NotFound
+from gpusnap.storage.backend import BackendOptions, ObjectInfo, check_range, key_taken, no_object
 from gpusnap.storage.file_ops import (
     DIR_FLAGS,
     DIR_MODE,
-    RESERVE_NAME,
     ensure_reserve,
     is_dir_at,
     is_private_name,
@@ -67,6 +52,7 @@ from gpusnap.storage.file_ops import (
     unlink_quietly,
     write_temp,
 )
+from gpusnap.storage.layout import RESERVE_NAME, is_valid_key, validate_key, validate_prefix
 
 log = logging.getLogger(__name__)
 
@@ -104,52 +90,13 @@ class FileBackend:
     # -- the Backend protocol -------------------------------------------------------------
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        directory, name = self._split(key)
-        self._check_reserve_once()
-        try:
-            dfd = self._open_dir(directory, key, create=True)
-            assert dfd is not None
-            try:
-                if if_absent and is_dir_at(dfd, name):
-                    raise FailedPrecondition(f"store key {key!r} names a directory in {self.root}")
-                tmp = write_temp(dfd, data, durable=True)
-                try:
-                    if if_absent:
-                        try:
-                            os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                        except FileExistsError:
-                            raise AlreadyExists(
-                                f"object {key!r} already exists in {self.url}"
-                            ) from None
-                    else:
-                        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                finally:
-                    unlink_quietly(dfd, tmp)
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError as exc:
-            raise self._translate(exc, "put", key) from exc
+        self._put(key, data, if_absent=if_absent, durable=True)
 
     # -- DeferredSyncBackend --------------------------------------------------------------
 
     def put_unsynced(self, key: str, data: bytes) -> None:
         """Like ``put`` (atomic rename into place) but durable only after ``sync``."""
-        directory, name = self._split(key)
-        self._check_reserve_once()
-        try:
-            dfd = self._open_dir(directory, key, create=True)
-            assert dfd is not None
-            try:
-                tmp = write_temp(dfd, data, durable=False)
-                try:
-                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                finally:
-                    unlink_quietly(dfd, tmp)
-            finally:
-                os.close(dfd)
-        except OSError as exc:
-            raise self._translate(exc, "put", key) from exc
+        self._put(key, data, if_absent=False, durable=False)
 
     def sync(self, keys: Iterable[str] | None = None) -> None:
         """Make ``keys`` durable: fsync each file, then each directory holding one.
@@ -178,25 +125,24 @@ class FileBackend:
             raise self._translate(exc, "sync", ".") from exc
 
     def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        if offset < 0 or (length is not None and length < 0):
-            raise InvalidArgument(f"invalid range for {key!r}: offset {offset}, length {length}")
+        check_range(key, offset, length)
         directory, name = self._split(key)
         try:
             dfd = self._open_dir(directory, key, create=False)
             if dfd is None:
-                raise NotFound(f"no object {key!r} in {self.url}")
+                raise no_object(self.url, key)
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
             finally:
                 os.close(dfd)
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFound(f"no object {key!r} in {self.url}") from None
+            raise no_object(self.url, key) from None
         except OSError as exc:
             raise self._translate(exc, "get", key) from exc
         try:
             st = os.fstat(fd)
             if not stat_mod.S_ISREG(st.st_mode):
-                raise NotFound(f"no object {key!r} in {self.url}")
+                raise no_object(self.url, key)
             end = st.st_size if length is None else min(st.st_size, offset + length)
             parts: list[bytes] = []
             pos = offset
@@ -292,6 +238,35 @@ class FileBackend:
             raise self._translate(exc, "create", RESERVE_NAME) from exc
 
     # -- internals ------------------------------------------------------------------------
+
+    def _put(self, key: str, data: bytes, *, if_absent: bool, durable: bool) -> None:
+        """A temp file beside the target, renamed (``if_absent``: hard-linked) into place;
+        ``durable`` fsyncs the file before and its directory after."""
+        directory, name = self._split(key)
+        self._check_reserve_once()
+        try:
+            dfd = self._open_dir(directory, key, create=True)
+            assert dfd is not None
+            try:
+                if if_absent and is_dir_at(dfd, name):
+                    raise FailedPrecondition(f"store key {key!r} names a directory in {self.root}")
+                tmp = write_temp(dfd, data, durable=durable)
+                try:
+                    if if_absent:
+                        try:
+                            os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        except FileExistsError:
+                            raise key_taken(self.url, key) from None
+                    else:
+                        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                finally:
+                    unlink_quietly(dfd, tmp)
+                if durable:
+                    os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise self._translate(exc, "put", key) from exc
 
     def _check_reserve_once(self) -> None:
         """Before this backend's first write, make the reserve if it is missing.
@@ -464,14 +439,9 @@ def open_file_backend(url: str, options: BackendOptions) -> FileBackend:
         raise InvalidArgument(
             f"store URL {url!r} names host {parts.netloc!r}; use file:///absolute/path"
         )
-    if parts.query or parts.fragment:
-        raise InvalidArgument(f"store URL {url!r} may not carry a query or fragment")
     path = unquote(parts.path)
     if not path.startswith("/"):
         raise InvalidArgument(f"store URL {url!r} needs an absolute path: file:///path")
     if "\x00" in path:
         raise InvalidArgument(f"store URL {url!r} contains a NUL byte")
     return FileBackend(path, create=options.create)
-
-
-register_backend("file", open_file_backend)

@@ -3,8 +3,8 @@
 Every name is opened relative to an open directory (``dir_fd``) with ``O_NOFOLLOW``, so a
 symlink planted in a store cannot redirect an operation out of it. Here too are the temp
 files a put writes before renaming them into place (mode 0600, named ``TEMP_PREFIX...``),
-the space reserve (``RESERVE_NAME``, below), and the two libc calls ``os`` lacks:
-``sync_file_range`` (start writeback) and ``syncfs``.
+the space reserve (``RESERVE_NAME``; both names are ``layout.py``'s), and the two libc
+calls ``os`` lacks: ``sync_file_range`` (start writeback) and ``syncfs``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import os
 import secrets
 import stat as stat_mod
 
+from gpusnap.storage.layout import RESERVE_NAME, TEMP_PREFIX
+
 log = logging.getLogger(__name__)
 
-TEMP_PREFIX = ".gpusnap-tmp-"
-# A preallocated file in the store root that a gc deletes when its own record does not fit
-# on a full disk (docs/design.md, "gc and retention"). No key can name it.
-RESERVE_NAME = ".gpusnap-reserve"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gpusnap.errors import InvalidArgument
 from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.pipeline import PushInput, _Named
+from gpusnap.storage.pipeline import NamedChunk, PushInput
 from gpusnap.storage.streams import UNKNOWN_SIZE
 
 POLL_SECONDS = 0.003  # between looks at a file that has not grown enough
@@ -48,7 +48,7 @@ def growing_file_input(
     except OSError as exc:
         raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from exc
 
-    def named() -> Generator[_Named, None, None]:
+    def named() -> Generator[NamedChunk, None, None]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:

@@ -1,9 +1,9 @@
 """The local chunk index: which chunks a store holds, without asking the store per chunk.
 
 It is a cache, never the truth. It lives in SQLite under the cache directory, keyed by the
-store URL, and is rebuilt from one LIST of the store's ``chunks/`` prefix when it is missing,
-when a gc may have removed chunks since it was last synchronised (see ``store.py``), or on
-request.
+store URL, and is rebuilt from one LIST of the store's ``chunks/`` prefix (``rebuild_index``)
+when it is missing, when a gc may have removed chunks since it was last synchronised (see
+``locks.py``), or on request.
 
 Pending entries: a chunk put that returned is not yet durable on a backend that defers
 durability (``file://``: no fsync per chunk; one ``sync`` before the manifest). Its entry is
@@ -22,12 +22,15 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from blake3 import blake3
 
 from gpusnap.errors import FailedPrecondition
+from gpusnap.storage.backend import Backend, sync_deferred
+from gpusnap.storage.layout import CHUNK_PREFIX, chunk_id_of_key
 
 log = logging.getLogger(__name__)
 
@@ -172,3 +175,18 @@ class ChunkIndex:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def rebuild_index(backend: Backend, index: ChunkIndex) -> int:
+    """Make ``index`` what one LIST of the store's chunks shows; returns the chunk count."""
+    listed_at = time.time()
+    entries = []
+    for info in backend.list(CHUNK_PREFIX):
+        chunk_id = chunk_id_of_key(info.key)
+        if chunk_id is not None:
+            entries.append((chunk_id, info.size))
+    # A listed chunk may be one a local push put but has not synced yet (perhaps with
+    # another index): sync everything, so that every entry of the rebuilt index is
+    # durable. Rebuilds are rare (first use, after a gc), so a whole-store sync is fine.
+    sync_deferred(backend)
+    return index.replace_all(entries, listed_at)

@@ -247,3 +247,41 @@ def unseal(
         return encryption.record_aead.decrypt(body[:NONCE_BYTES], body[NONCE_BYTES:], kind.encode())
     except (InvalidTag, ValueError) as exc:
         raise Corrupt(f"{what} does not decrypt with this encryption key") from exc
+
+
+@dataclass(frozen=True)
+class StoreKeys:
+    """The keys one store is opened with, and whether it verifies what it reads.
+
+    Everything the store signs (manifests, records) is sealed and opened here, so that the
+    question "whose signature does this node accept" has one answer.
+    """
+
+    signer: SigningKey | None
+    encryption: EncryptionKeys | None
+    verify: bool = True
+
+    def seal(self, kind: str, payload: bytes) -> bytes:
+        """``payload`` in an envelope of format ``kind``: encrypted when a key is given, signed."""
+        return seal(kind, payload, signer=self.signer, encryption=self.encryption)
+
+    def unseal(self, blob: bytes, kind: str, *, what: str, verify: bool | None = None) -> bytes:
+        """The payload of an envelope made by ``seal``; ``Corrupt`` naming ``what`` if bad.
+
+        ``verify`` (default: the store's setting) checks the signature.
+        """
+        return unseal(
+            blob,
+            kind,
+            signer=self.signer,
+            encryption=self.encryption,
+            verify=self.verify if verify is None else verify,
+            what=what,
+        )
+
+    def check_can_push(self) -> None:
+        """Refuse, before any upload, a push whose manifest could not be signed."""
+        if self.signer is None and self.verify:
+            raise FailedPrecondition("pushing needs a signing key file (or verification off)")
+        if self.signer is not None and self.signer.private_key is None:
+            raise FailedPrecondition("signing needs the private key; this key file is public only")

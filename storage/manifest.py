@@ -260,21 +260,3 @@ class ManifestSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-MANIFEST_PREFIX = "manifests/"
-
-
-def manifest_key(workload: str, checkpoint_id: str) -> str:
-    """``manifests/<workload>/<checkpoint id>``: where a checkpoint's manifest is stored."""
-    return f"{MANIFEST_PREFIX}{workload}/{checkpoint_id}"
-
-
-def split_manifest_key(key: str) -> tuple[str, str] | None:
-    """``(workload, checkpoint id)`` of a manifest key; ``None`` for any other key."""
-    rest = key.removeprefix(MANIFEST_PREFIX)
-    workload, _, checkpoint_id = rest.partition("/")
-    # A workload name never contains '/', '.' alone or '..': anything else is not ours.
-    if key == rest or not is_workload(workload) or not is_checkpoint_id(checkpoint_id):
-        return None
-    return workload, checkpoint_id

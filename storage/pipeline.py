@@ -1,76 +1,35 @@
-"""The push data path (cut, hash, compress, upload), and reading one entry back in order.
+"""The push data path: cut, hash, dedup, compress and upload the chunks of files and streams.
 
-The pull path (fetch, verify, write files) is ``storage/pull.py``.
-
-Both run chunks through a thread pool; zstandard, blake3, AES-GCM and file/socket I/O release
-the GIL, so the stages overlap across cores. Memory is bounded by a byte budget on the chunks
-in flight (``workers x 2 x max chunk`` by default), whatever the size of the input. Files are
-cut on helper threads, the next file's cut overlapping this one's (``_CutAhead``); streams are
-cut by the calling thread, which submits chunks and reports progress; workers never call
-back into user code.
+Chunks go through the store's pools (``context.Pools``): hashing, compression and
+encryption on the CPU pool, puts on the I/O pool, within the byte budget on chunks in
+flight (``parallel.ByteBudget``). Files are cut on helper threads, the next file's cut
+overlapping this one's (``_CutAhead``); streams are cut by the calling thread, which submits
+chunks and reports progress; workers never call back into user code. The read path (fetch,
+verify, write files or yield an entry) is ``storage/pull.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpusnap.errors import (
-    Corrupt,
-    FailedPrecondition,
-    GpusnapError,
-    Internal,
-    InvalidArgument,
-    NotFound,
-)
-from gpusnap.storage.backend import Backend, put_deferred
+from gpusnap.errors import GpusnapError, InvalidArgument
+from gpusnap.storage.backend import put_deferred
 from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.context import StoreContext
 from gpusnap.storage.follow import ChunkIdFn, cut_following
-from gpusnap.storage.index import ChunkIndex
+from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.manifest import ChunkRef, FileEntry
+from gpusnap.storage.parallel import ByteBudget, ProgressFn, Run, Tally, translate_error
 
 log = logging.getLogger(__name__)
-
-ProgressFn = Callable[[int, int], None]
-CHUNK_PREFIX = "chunks/"
-
-
-def chunk_key(chunk_id: str) -> str:
-    return f"{CHUNK_PREFIX}{chunk_id[:2]}/{chunk_id}"
-
-
-def chunk_id_of_key(key: str) -> str | None:
-    name = key.rpartition("/")[2]
-    return name if key == chunk_key(name) and len(name) == 64 else None
-
-
-class ByteBudget:
-    """Blocks the producer while more than ``limit`` bytes are in flight (one item always fits)."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._used = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int, abort: threading.Event) -> None:
-        with self._cond:
-            while self._used and self._used + n > self._limit and not abort.is_set():
-                self._cond.wait(0.5)
-            self._used += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self._used -= n
-            self._cond.notify_all()
 
 
 @dataclass
@@ -82,61 +41,12 @@ class SourceFile:
 
 
 @dataclass
-class PushStats:
-    bytes_total: int = 0
+class PushStats(Tally):
     bytes_uploaded: int = 0
-    chunks_total: int = 0
     chunks_uploaded: int = 0
-    bytes_done: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-# What an OSError says about the arguments given (a file where a directory should be, a
-# name too long); any other errno is about the machine (a full or read-only disk), not usage.
-_BAD_ARGUMENT_ERRNOS = frozenset(
-    {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
-)
-
-
-def translate_error(exc: BaseException, what: str) -> GpusnapError:
-    if isinstance(exc, GpusnapError):
-        return exc
-    if isinstance(exc, OSError):
-        reason = exc.strerror or str(exc)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return FailedPrecondition(f"{what}: disk full ({reason})")
-        if exc.errno in _BAD_ARGUMENT_ERRNOS:
-            return InvalidArgument(f"{what}: {reason}")
-        return FailedPrecondition(f"{what}: {reason}")
-    if isinstance(exc, MemoryError):
-        return Internal(f"{what}: out of memory")
-    return Internal(f"{what}: {type(exc).__name__}: {exc}")
-
-
-class Run:
-    """Shared state of one pipeline run: first error wins, everyone stops."""
-
-    def __init__(self) -> None:
-        self.abort = threading.Event()
-        self.error: GpusnapError | None = None
-        self._lock = threading.Lock()
-
-    def fail(self, err: GpusnapError) -> None:
-        with self._lock:
-            if self.error is None:
-                self.error = err
-        self.abort.set()
-
-    def raise_if_aborted(self) -> None:
-        if self.abort.is_set():
-            raise self.error or Internal("aborted")
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-_Named = tuple[memoryview, str | None]  # a chunk and its id, when already computed
+NamedChunk = tuple[memoryview, str | None]  # a chunk and its id, when already computed
 
 
 @dataclass
@@ -151,7 +61,7 @@ class PushInput:
     # yes; streams: no, their producer may be tied to the calling thread, e.g. a CUDA one).
     cut_ahead: bool = False
     # When set, used instead of ``chunks``: chunks with their ids where already computed.
-    named_chunks: Callable[[], Generator[_Named, None, None]] | None = None
+    named_chunks: Callable[[], Generator[NamedChunk, None, None]] | None = None
 
     @classmethod
     def of_named(
@@ -159,7 +69,7 @@ class PushInput:
         path: str,
         size: int,
         mode: int,
-        named: Callable[[], Generator[_Named, None, None]],
+        named: Callable[[], Generator[NamedChunk, None, None]],
         *,
         cut_ahead: bool = False,
     ) -> PushInput:
@@ -172,7 +82,7 @@ class PushInput:
 
         return cls(path, size, mode, chunks, cut_ahead=cut_ahead, named_chunks=named)
 
-    def named(self) -> Generator[_Named, None, None]:
+    def named(self) -> Generator[NamedChunk, None, None]:
         if self.named_chunks is not None:
             yield from self.named_chunks()
             return
@@ -225,7 +135,7 @@ class _CutAhead:
                 continue
         return False
 
-    def chunks(self) -> Generator[_Named, None, None]:
+    def chunks(self) -> Generator[NamedChunk, None, None]:
         try:
             while True:
                 item = self._queue.get()
@@ -264,7 +174,7 @@ def file_input(
     """A file to push; with ``parent`` (its entry in the parent checkpoint) and ``chunk_id``,
     cut along the parent's boundaries where the bytes prove them (``storage/follow.py``)."""
 
-    def named() -> Generator[_Named, None, None]:
+    def named() -> Generator[NamedChunk, None, None]:
         if src.size == 0:
             return
         try:
@@ -286,48 +196,10 @@ def file_input(
     return PushInput.of_named(src.path, src.size, src.mode, named, cut_ahead=True)
 
 
-def push_files(
-    files: list[SourceFile],
-    *,
-    backend: Backend,
-    codec: ChunkCodec,
-    index: ChunkIndex,
-    chunker: Chunker,
-    executor: ThreadPoolExecutor,
-    io_executor: ThreadPoolExecutor,
-    budget_bytes: int,
-    compress: bool,
-    progress: ProgressFn | None,
-    parents: Mapping[str, FileEntry] | None = None,
-) -> tuple[list[FileEntry], PushStats]:
-    """Chunk, dedup and upload ``files``; return their entries once every put has returned.
-
-    ``parents`` maps paths to their entries in the parent checkpoint: those files are cut
-    along the parent's boundaries where the bytes prove them.
-    """
-    parents = parents or {}
-    return push_inputs(
-        [file_input(f, chunker, parents.get(f.path), codec.chunk_id) for f in files],
-        backend=backend,
-        codec=codec,
-        index=index,
-        executor=executor,
-        io_executor=io_executor,
-        budget_bytes=budget_bytes,
-        compress=compress,
-        progress=progress,
-    )
-
-
 def push_inputs(
+    ctx: StoreContext,
     inputs: list[PushInput],
     *,
-    backend: Backend,
-    codec: ChunkCodec,
-    index: ChunkIndex,
-    executor: ThreadPoolExecutor,
-    io_executor: ThreadPoolExecutor,
-    budget_bytes: int,
     compress: bool,
     progress: ProgressFn | None,
 ) -> tuple[list[FileEntry], PushStats]:
@@ -340,7 +212,8 @@ def push_inputs(
     """
     # A stream of unknown size counts when it ends (below).
     stats = PushStats(bytes_total=sum(max(0, f.size) for f in inputs))
-    budget = ByteBudget(budget_bytes)
+    backend, codec, index = ctx.backend, ctx.codec, ctx.index
+    budget = ByteBudget(ctx.pools.budget_bytes)
     run = Run()
     seen: set[str] = set()  # dedup within this push, including chunks still uploading
     seen_lock = threading.Lock()
@@ -378,7 +251,7 @@ def push_inputs(
             if fresh:
                 obj = codec.encode(chunk_id, view, compress=compress)
                 with io_lock:
-                    io_futures.append(io_executor.submit(put, chunk_id, obj.data, length))
+                    io_futures.append(ctx.pools.io.submit(put, chunk_id, obj.data, length))
                 handed_off = True
             else:
                 with stats.lock:
@@ -393,8 +266,7 @@ def push_inputs(
                 budget.release(length)
 
     def report() -> None:
-        if progress is not None:
-            progress(stats.bytes_done, stats.bytes_total)
+        stats.report(progress)
 
     pending: list[tuple[PushInput, list[Future[ChunkRef]]]] = []
     cutters: dict[int, _CutAhead] = {}
@@ -415,22 +287,11 @@ def push_inputs(
                     except BaseException:
                         chunk.release()
                         raise
-                    futures.append(executor.submit(task, chunk, length, named))
+                    futures.append(ctx.pools.cpu.submit(task, chunk, length, named))
                     report()
-        for _src, futures in pending:
-            for fut in futures:
-                try:
-                    fut.result()
-                except BaseException:  # noqa: S112 - the first error is in run.error
-                    continue
-                report()
+        _settle([f for _src, futs in pending for f in futs], report)
         # Every CPU task has run, so io_futures is complete: wait for every put to return.
-        for io in io_futures:
-            try:
-                io.result()
-            except BaseException:  # noqa: S112 - the first error is in run.error
-                continue
-            report()
+        _settle(io_futures, report)
         run.check()
     except BaseException as exc:
         if isinstance(exc, GpusnapError):
@@ -438,18 +299,10 @@ def push_inputs(
             # callback) must not be replaced by a worker's secondary "aborted".
             run.fail(exc)
         run.abort.set()
-        all_futures: list[Future[Any]] = [f for _src, futs in pending for f in futs]
-        for fut in all_futures:
-            fut.cancel()
-        for fut in all_futures:
-            if not fut.cancelled():
-                fut.exception()
+        _cancel([f for _src, futs in pending for f in futs])
         with io_lock:
             started_io = list(io_futures)
-        for io in started_io:
-            io.cancel()
-            if not io.cancelled():
-                io.exception()
+        _cancel(started_io)
         if run.error is not None:
             raise run.error from None
         raise
@@ -467,51 +320,20 @@ def push_inputs(
     return entries, stats
 
 
-def read_entry(
-    entry: FileEntry,
-    *,
-    backend: Backend,
-    codec: ChunkCodec,
-    executor: ThreadPoolExecutor,
-    budget_bytes: int,
-) -> Iterator[tuple[int, bytes | memoryview]]:
-    """``(offset, bytes)`` of one entry's chunks, in order, each verified before it is given.
-
-    Chunks are fetched ahead in parallel, at most ``budget_bytes`` of them (and always at
-    least one) at a time, so memory stays bounded whatever the entry's size. Nothing is
-    written anywhere: a restore can fill mapped device memory straight from this.
-    """
-
-    def fetch(chunk_id: str, size: int) -> bytes | memoryview:
+def _settle(futures: Sequence[Future[Any]], report: Callable[[], None]) -> None:
+    """Wait for every one of ``futures``; a failure is already in the run (first wins)."""
+    for fut in futures:
         try:
-            obj = backend.get(chunk_key(chunk_id))
-        except NotFound as exc:
-            raise Corrupt(f"chunk {chunk_id} is missing from the store ({exc})") from None
-        return codec.decode(chunk_id, obj, size)
+            fut.result()
+        except BaseException:  # noqa: S112 - the first error is in run.error
+            continue
+        report()
 
-    window: list[tuple[int, int, Future[bytes | memoryview]]] = []
-    in_flight = 0
-    offset = 0
-    refs = iter(entry.chunks)
-    try:
-        while True:
-            for ref in refs:
-                window.append((offset, ref.size, executor.submit(fetch, ref.id, ref.size)))
-                offset += ref.size
-                in_flight += ref.size
-                if in_flight >= budget_bytes:
-                    break
-            if not window:
-                return
-            at, size, fut = window.pop(0)
-            try:
-                content = fut.result()
-            except GpusnapError:
-                raise
-            except BaseException as exc:
-                raise translate_error(exc, f"reading {entry.path}") from exc
-            in_flight -= size
-            yield at, content
-    finally:
-        for _at, _size, fut in window:
-            fut.cancel()
+
+def _cancel(futures: Sequence[Future[Any]]) -> None:
+    """Cancel ``futures`` and wait for those already running (nothing outlives the push)."""
+    for fut in futures:
+        fut.cancel()
+    for fut in futures:
+        if not fut.cancelled():
+            fut.exception()

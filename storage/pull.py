@@ -1,376 +1,189 @@
-"""The pull data path: fetch chunks in parallel, verify each, write the files (all or nothing).
+"""The read path: a checkpoint's chunks fetched in parallel, each verified, written or yielded.
 
-Every file is written to a temporary name beside its target, created at its full size as a
-hole (so a zero chunk needs no write at all), and renamed into place only when every chunk of
-every file is in; a failure removes exactly what this pull created.
+``pull`` writes every file of a checkpoint under a destination, all or nothing (the files
+themselves: ``storage/dest.py``); ``open_stream`` yields one entry's bytes in order without
+writing anything (a restore fills mapped GPU memory from it). Both fetch ahead within the
+store's byte budget, and every chunk is decoded against the size the authenticated manifest
+declares, which re-checks its hash, before anyone sees a byte of it.
 
-Writes, two ways:
-
-- ``direct`` (the default for a pull to keep): each chunk is decompressed and verified in a
-  reused page-aligned buffer and its block-aligned interior is written with ``O_DIRECT``; the
-  few bytes at each end that share a 4 KiB block with the next chunk go through the page
-  cache. A restore of tens of GiB then neither fills the page cache with pages nobody reads
-  soon nor waits behind dirty-page throttling, and never touches fresh memory per chunk.
-  Filesystems that refuse ``O_DIRECT`` (some FUSE and network filesystems) fall back to
-  buffered writes, per file, silently.
-- buffered (``direct=False``): for files read back at once (the daemon's restore staging,
-  which CRIU reads the moment the pull ends): the page cache is where the reader wants them.
-
-With ``durable`` every file is fsynced before the renames and each directory after them, so
-a pull that returned survives a power cut; without it (staging) nothing is synced.
+Pull threads: a chunk of a local store is read faster than it decodes, so one thread per core
+both reads and decodes (the CPU pool); a remote store's fetches wait on the network, so many
+run on the I/O pool while decodes still run one per core. Writes run on their own threads.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import mmap
 import os
-import queue
-import secrets
 import threading
+import time
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from gpusnap.errors import (
-    AlreadyExists,
-    Corrupt,
-    FailedPrecondition,
-    GpusnapError,
-    NotFound,
-)
-from gpusnap.storage.backend import Backend
+from gpusnap.errors import Corrupt, GpusnapError, NotFound
+from gpusnap.storage.catalog import fetch_manifest
 from gpusnap.storage.chunker import MAX_SIZE
-from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.context import StoreContext
+from gpusnap.storage.dest import (
+    ALIGN,
+    AlignedBuffers,
+    Destination,
+    Target,
+    check_targets,
+    dest_error,
+    write_place,
+)
+from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.manifest import FileEntry, Manifest
-from gpusnap.storage.pipeline import ByteBudget, ProgressFn, Run, chunk_key, translate_error
+from gpusnap.storage.parallel import ByteBudget, ProgressFn, Run, Tally, translate_error
+from gpusnap.storage.streams import stream_kinds
 
-TMP_PREFIX = ".gpusnap-pull-"
-# O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's logical block
-# size: 4 KiB satisfies every common device (512-byte ones included).
-ALIGN = 4096
 # Threads that write decoded chunks (O_DIRECT writes block; one per file runs at a time).
 _WRITERS = 8
-# Interiors shorter than this go through the page cache: not worth a synchronous device write.
-_MIN_DIRECT = 64 * 1024
-# Sparse chunks' data runs shorter than this are written through the page cache.
-_MIN_DIRECT_RUN = 256 * 1024
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-# Zero detection in chunks that compressed at least this well, by grains of this size.
+# Zero grains are looked for in chunks that compressed at least this well.
 _SPARSE_RATIO = 2
-_GRAIN = 32 * 1024
-_ZERO = bytes(_GRAIN)
-# errnos that mean "this filesystem does not do O_DIRECT (here)", not "the disk failed".
-_NO_DIRECT = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
-
-
-def dest_error(exc: BaseException, dest: Path) -> GpusnapError:
-    """An error of a pull, said about the destination when it is the destination's."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return FailedPrecondition(
-            f"destination disk full: cannot write into {dest} ({exc.strerror or exc})"
-        )
-    if isinstance(exc, OSError):
-        return translate_error(exc, f"cannot write into {dest}")
-    return translate_error(exc, f"pulling into {dest}")
 
 
 @dataclass
-class PullStats:
-    bytes_total: int = 0
+class PullResult:
+    checkpoint_id: str
+    bytes_total: int
+    bytes_fetched: int
+    chunks_total: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PullStats(Tally):
     bytes_fetched: int = 0
-    bytes_done: int = 0
-    chunks_total: int = 0
     bytes_direct: int = 0  # written with O_DIRECT
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Target:
-    """One file being written: its temp path, a buffered fd, and an O_DIRECT fd when allowed."""
-
-    def __init__(self, tmp: Path, fd: int, dfd: int | None) -> None:
-        self.tmp = tmp
-        self.fd = fd
-        self.dfd = dfd
-        self._lock = threading.Lock()
-        self.unwritten = 0  # chunk places not yet written (under the pull's stats lock)
-        self.synced = False
-
-    def no_direct(self) -> None:
-        with self._lock:
-            if self.dfd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(self.dfd)
-                self.dfd = None
-
-    def close(self) -> None:
-        self.no_direct()
-        if self.fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = -1
-
-
-class _Layout:
-    """What a pull creates in ``dest``, so that a failure can remove exactly that."""
-
-    def __init__(self, dest: Path) -> None:
-        self.dest = dest
-        self.created_dirs: list[Path] = []
-        self.temps: dict[str, _Target] = {}  # manifest path -> file being written
-        self.renamed: list[Path] = []
-
-    def undo(self) -> None:
-        for target in self.temps.values():
-            target.close()
-            target.tmp.unlink(missing_ok=True)
-        for final in self.renamed:
-            final.unlink(missing_ok=True)
-        for directory in reversed(self.created_dirs):
-            with contextlib.suppress(OSError):
-                directory.rmdir()
+def pull(
+    ctx: StoreContext,
+    checkpoint_id: str,
+    dest: Path,
+    *,
+    progress: ProgressFn | None,
+    exclude_kinds: Collection[str],
+    direct: bool,
+    durable: bool,
+) -> PullResult:
+    """Restore a checkpoint's files under ``dest`` (``CheckpointStore.pull``)."""
+    started = time.monotonic()
+    manifest = fetch_manifest(ctx, checkpoint_id)
+    if exclude_kinds:
+        kinds = stream_kinds(manifest)
+        left_out = {p for p, k in kinds.items() if k in exclude_kinds}
+        manifest = replace(manifest, files=[f for f in manifest.files if f.path not in left_out])
+    stats = pull_files(ctx, manifest, dest, progress=progress, direct=direct, durable=durable)
+    return PullResult(
+        checkpoint_id,
+        stats.bytes_total,
+        stats.bytes_fetched,
+        stats.chunks_total,
+        time.monotonic() - started,
+    )
 
 
-class _Buffers:
-    """Page-aligned buffers of one chunk's size (plus alignment slack), reused across chunks.
+def open_stream(
+    ctx: StoreContext, checkpoint: str | Manifest, path: str
+) -> Iterator[tuple[int, bytes | memoryview]]:
+    """``(offset, bytes)`` of one entry of a checkpoint (``CheckpointStore.open_stream``)."""
+    manifest = fetch_manifest(ctx, checkpoint) if isinstance(checkpoint, str) else checkpoint
+    entry = next((f for f in manifest.files if f.path == path), None)
+    if entry is None:
+        raise NotFound(f"checkpoint {manifest.checkpoint_id} has no entry {path!r}")
+    return read_entry(ctx, entry)
 
-    At most one per worker thread exists at a time; they are unmapped when the pull ends.
+
+def _missing(chunk_id: str, exc: NotFound) -> Corrupt:
+    # The manifest names it, so the store lost it: an integrity failure, not a lookup miss.
+    return Corrupt(f"chunk {chunk_id} is missing from the store ({exc})")
+
+
+def read_entry(ctx: StoreContext, entry: FileEntry) -> Iterator[tuple[int, bytes | memoryview]]:
+    """``(offset, bytes)`` of one entry's chunks, in order, each verified before it is given.
+
+    Chunks are fetched ahead in parallel on the I/O pool, at most the store's byte budget of
+    them (and always at least one) at a time, so memory stays bounded whatever the entry's
+    size. Nothing is written anywhere.
     """
 
-    def __init__(self) -> None:
-        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-        self._all: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> mmap.mmap:
+    def fetch(chunk_id: str, size: int) -> bytes | memoryview:
         try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            buf = mmap.mmap(-1, MAX_SIZE + 2 * ALIGN)  # anonymous maps are page-aligned
-            with self._lock:
-                self._all.append(buf)
-            return buf
+            obj = ctx.backend.get(chunk_key(chunk_id))
+        except NotFound as exc:
+            raise _missing(chunk_id, exc) from None
+        return ctx.codec.decode(chunk_id, obj, size)
 
-    def give(self, buf: mmap.mmap) -> None:
-        self._free.put(buf)
-
-    def close(self) -> None:
-        with self._lock:
-            for buf in self._all:
-                with contextlib.suppress(BufferError):  # a view still alive: the GC frees it
-                    buf.close()
-            self._all.clear()
-
-
-def check_targets(manifest: Manifest, dest: Path) -> dict[str, Path]:
-    """Map every manifest path to its target, refusing any that could leave ``dest``."""
-    real_dest = Path(os.path.realpath(dest))
-    targets: dict[str, Path] = {}
-    for entry in manifest.files:
-        target = dest.joinpath(*entry.path.split("/"))
-        probe = dest
-        for part in entry.path.split("/")[:-1]:
-            probe = probe / part
-            if probe.is_symlink():
-                real = Path(os.path.realpath(probe))
-                if real != real_dest and real_dest not in real.parents:
-                    raise Corrupt(f"{probe} is a symlink out of the destination")
-            elif probe.exists() and not probe.is_dir():
-                raise AlreadyExists(f"{probe} exists and is not a directory")
-        if target.exists() or target.is_symlink():
-            raise AlreadyExists(f"{target} already exists; pull into an empty destination")
-        targets[entry.path] = target
-    return targets
-
-
-def _check_inside(directory: Path, dest: Path, path: str) -> None:
-    real = Path(os.path.realpath(directory))
-    real_dest = Path(os.path.realpath(dest))
-    if real != real_dest and real_dest not in real.parents:
-        raise Corrupt(f"{path!r} would land outside the destination")
-
-
-def _interleaved(files: list[FileEntry]) -> list[str]:
-    """Distinct chunk ids, every file advancing at the same pace (by fraction of its size).
-
-    Writes to one file serialise on its inode lock (and with it the block allocation they
-    do), so concurrent writers should be writing different files until the very end: were
-    the files taken a chunk each in turn, the small ones would be done early and the end of
-    the pull would write the largest alone, one chunk at a time.
-    """
-    keyed: list[tuple[float, int, str]] = []
-    for index, entry in enumerate(files):
-        offset = 0
-        for ref in entry.chunks:
-            keyed.append((offset / entry.size if entry.size else 0.0, index, ref.id))
-            offset += ref.size
-    keyed.sort(key=lambda k: (k[0], k[1]))
-    order: list[str] = []
-    seen: set[str] = set()
-    for _, _, chunk_id in keyed:
-        if chunk_id not in seen:
-            seen.add(chunk_id)
-            order.append(chunk_id)
-    return order
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
-
-
-def _make_dirs(path: Path, layout: _Layout) -> None:
-    missing: list[Path] = []
-    probe = path
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    for directory in reversed(missing):
-        directory.mkdir(mode=0o755)
-        layout.created_dirs.append(directory)
-
-
-def _open_direct(tmp: Path) -> int | None:
-    if not _O_DIRECT:
-        return None
+    window: list[tuple[int, int, Future[bytes | memoryview]]] = []
+    in_flight = 0
+    offset = 0
+    refs = iter(entry.chunks)
     try:
-        return os.open(tmp, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | _O_DIRECT)
-    except OSError as exc:
-        if exc.errno in _NO_DIRECT:
-            return None
-        raise
-
-
-def _data_runs(buf: mmap.mmap, lo: int, hi: int, file_lo: int) -> list[tuple[int, int]]:
-    """The ranges of ``buf[lo:hi]`` that hold data; the rest is whole zero grains.
-
-    ``buf[lo]`` lands at file offset ``file_lo``; grains are aligned to file offsets, so a
-    KV pool's empty blocks are seen as such. Skipped grains stay holes in the new file (they
-    read as zeros), like ``zstd -d --sparse`` or ``cp --sparse``.
-    """
-    runs: list[tuple[int, int]] = []
-    begin = -1
-    pos = lo
-    while pos < hi:
-        end = min(hi, pos + _GRAIN - (file_lo + pos - lo) % _GRAIN)
-        n = end - pos
-        # In place (no copy): a whole grain of zeros is found where it starts, or not at all;
-        # a data grain is rejected at its first bytes.
-        zero = buf.find(_ZERO[:n], pos, end) == pos
-        if zero and begin >= 0:
-            runs.append((begin, pos))
-            begin = -1
-        elif not zero and begin < 0:
-            begin = pos
-        pos = end
-    if begin >= 0:
-        runs.append((begin, hi))
-    return runs
-
-
-def _write_place(
-    target: _Target, buf: mmap.mmap, shift: int, size: int, offset: int, *, sparse: bool
-) -> int:
-    """Write the chunk at ``buf[shift:shift + size]`` to ``offset``; bytes written directly.
-
-    ``shift`` is ``offset % ALIGN`` of the place the chunk was decoded for; a place with
-    another alignment (the same chunk twice at different offsets) is written buffered. With
-    ``sparse`` (the chunk compressed well: it may hold empty blocks) zero grains are skipped.
-    """
-    view = memoryview(buf)
-    try:
-        dfd = target.dfd
-        start = -(-offset // ALIGN) * ALIGN  # first block boundary at or after offset
-        end = (offset + size) // ALIGN * ALIGN
-        if dfd is None or offset % ALIGN != shift or end - start < _MIN_DIRECT:
-            lo, hi = shift, shift + size
-            runs = _data_runs(buf, lo, hi, offset) if sparse else [(lo, hi)]
-            for a, b in runs:
-                _pwrite_all(target.fd, view[a:b], offset + a - lo)
-            return 0
-        head, tail = start - offset, end - offset
-        lo, hi = shift + head, shift + tail  # at multiples of ALIGN from the map's start
-        runs = _data_runs(buf, lo, hi, start) if sparse else [(lo, hi)]
-        done = 0
-        for a, b in runs:
-            if b - a < _MIN_DIRECT_RUN:  # a device round trip for a few blocks: buffered
-                _pwrite_all(target.fd, view[a:b], start + a - lo)
-                continue
+        while True:
+            for ref in refs:
+                window.append((offset, ref.size, ctx.pools.io.submit(fetch, ref.id, ref.size)))
+                offset += ref.size
+                in_flight += ref.size
+                if in_flight >= ctx.pools.budget_bytes:
+                    break
+            if not window:
+                return
+            at, size, fut = window.pop(0)
             try:
-                _pwrite_all(dfd, view[a:b], start + a - lo)
-            except OSError as exc:
-                if exc.errno not in _NO_DIRECT:
-                    raise
-                target.no_direct()
-                _pwrite_all(target.fd, view[a:b], start + a - lo)
-                continue
-            done += b - a
-        if head:
-            _pwrite_all(target.fd, view[shift:lo], offset)
-        if tail < size:
-            _pwrite_all(target.fd, view[hi : shift + size], end)
-        # What went through the page cache (edges, short runs) starts for the disk now, as
-        # the O_DIRECT part did: the file's fsync then has little left to wait for, and the
-        # pages are not kept (DONTNEED starts writeback; dirty data is never dropped).
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(target.fd, offset, size, os.POSIX_FADV_DONTNEED)
-        return done
+                content = fut.result()
+            except GpusnapError:
+                raise
+            except BaseException as exc:
+                raise translate_error(exc, f"reading {entry.path}") from exc
+            in_flight -= size
+            yield at, content
     finally:
-        view.release()
+        for _at, _size, fut in window:
+            fut.cancel()
 
 
 def pull_files(
+    ctx: StoreContext,
     manifest: Manifest,
     dest: Path,
     *,
-    backend: Backend,
-    codec: ChunkCodec,
-    executor: ThreadPoolExecutor,
-    budget_bytes: int,
-    progress: ProgressFn | None,
+    progress: ProgressFn | None = None,
     direct: bool = True,
     durable: bool = True,
-    decoders: int = 2,
     writers: int = _WRITERS,
 ) -> PullStats:
     """Write every file of ``manifest`` under ``dest``; on failure, remove what was written.
 
-    Chunks are fetched on ``executor``'s threads; at most ``decoders`` of them decompress and
-    verify at once (one per core: zstd and BLAKE3 release the GIL), ``writers`` threads write.
+    Chunks are fetched on the CPU pool (a local store) or the I/O pool (a remote one); at
+    most one per worker decompresses and verifies at once, ``writers`` threads write.
     """
     stats = PullStats(bytes_total=manifest.bytes_total)
     stats.chunks_total = sum(len(f.chunks) for f in manifest.files)
-    targets = check_targets(manifest, dest)  # before anything is written
-    layout = _Layout(dest)
+    destination = Destination(dest, check_targets(manifest, dest))  # checked before any write
+    backend, codec = ctx.backend, ctx.codec
+    fetcher = ctx.pools.cpu if ctx.local else ctx.pools.io
     run = Run()
-    budget = ByteBudget(budget_bytes)
-    buffers = _Buffers()
-    token = secrets.token_hex(4)
+    budget = ByteBudget(ctx.pools.budget_bytes)
+    buffers = AlignedBuffers()
     writer = ThreadPoolExecutor(writers, thread_name_prefix="gpusnap-pull-write")
-    decoding = threading.BoundedSemaphore(decoders)
+    decoding = threading.BoundedSemaphore(ctx.pools.workers)
     futures: list[Future[None]] = []
     try:
-        _make_dirs(dest, layout)
+        destination.make_dirs(dest)
         # Where each distinct chunk goes: one fetch serves every place it appears.
-        places: dict[str, list[tuple[_Target, int]]] = {}
+        places: dict[str, list[tuple[Target, int]]] = {}
         sizes: dict[str, int] = {}
         for entry in manifest.files:
-            final = targets[entry.path]
-            _make_dirs(final.parent, layout)
-            _check_inside(final.parent, dest, entry.path)
-            tmp = final.with_name(f"{TMP_PREFIX}{token}-{final.name}"[:255])
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600)
-            target = _Target(tmp, fd, None)
-            layout.temps[entry.path] = target
-            # Its mode now (never setuid/setgid/sticky): the fsync of its data covers it too.
-            os.fchmod(fd, entry.mode & 0o777)
-            os.ftruncate(fd, entry.size)
-            if direct and entry.size >= _MIN_DIRECT:
-                target.dfd = _open_direct(tmp)
+            target = destination.create(entry, direct=direct)
             offset = 0
             for ref in entry.chunks:
                 places.setdefault(ref.id, []).append((target, offset))
@@ -381,7 +194,7 @@ def pull_files(
         writes: list[Future[None]] = []
         writes_lock = threading.Lock()
 
-        def written(chunk_id: str) -> list[_Target]:
+        def written(chunk_id: str) -> list[Target]:
             """Count the places of a chunk as written; the files that are now complete."""
             complete = []
             with stats.lock:
@@ -392,14 +205,14 @@ def pull_files(
                         complete.append(target)
             return complete
 
-        def sync(target: _Target) -> None:
+        def sync(target: Target) -> None:
             # A durable pull syncs each file as soon as its last chunk is in, on a writer
             # thread while other chunks still decode, not all of them at the end.
             if durable and not run.abort.is_set():
                 os.fsync(target.fd)
                 target.synced = True
 
-        def sync_task(target: _Target) -> None:
+        def sync_task(target: Target) -> None:
             try:
                 sync(target)
             except BaseException as exc:
@@ -416,7 +229,7 @@ def pull_files(
                 sparse = obj_len * _SPARSE_RATIO < size
                 done_direct = 0
                 for target, offset in where:
-                    done_direct += _write_place(target, buf, shift, size, offset, sparse=sparse)
+                    done_direct += write_place(target, buf, shift, size, offset, sparse=sparse)
                 with stats.lock:
                     stats.bytes_direct += done_direct
                 for target in written(chunk_id):
@@ -453,7 +266,7 @@ def pull_files(
                     writes.append(writer.submit(write, chunk_id, len(obj), buf, shift))
                 handed = True  # the writer gives the buffer back and releases the budget
             except NotFound as exc:
-                run.fail(Corrupt(f"chunk {chunk_id} is missing from the store ({exc})"))
+                run.fail(_missing(chunk_id, exc))
             except BaseException as exc:
                 run.fail(dest_error(exc, dest))
             finally:
@@ -474,29 +287,16 @@ def pull_files(
             budget.acquire(sizes[chunk_id], run.abort)
             if run.abort.is_set():
                 break
-            futures.append(executor.submit(task, chunk_id))
-            if progress is not None:
-                progress(stats.bytes_done, stats.bytes_total)
+            futures.append(fetcher.submit(task, chunk_id))
+            stats.report(progress)
         for fut in futures:
             fut.result()
-            if progress is not None:
-                progress(stats.bytes_done, stats.bytes_total)
+            stats.report(progress)
         for fut in writes:  # complete: every decode has run, so every write is submitted
             fut.result()
-            if progress is not None:
-                progress(stats.bytes_done, stats.bytes_total)
+            stats.report(progress)
         run.check()
-        # The files not synced yet (empty ones: no chunk completed them), all at once.
-        unsynced = [t for t in layout.temps.values() if durable and not t.synced]
-        for fut in [writer.submit(os.fsync, t.fd) for t in unsynced]:
-            fut.result()
-        for path, target in list(layout.temps.items()):
-            target.close()
-            os.rename(target.tmp, targets[path])
-            del layout.temps[path]
-            layout.renamed.append(targets[path])
-        if durable:
-            _sync_dirs({targets[e.path].parent for e in manifest.files} | {dest, dest.parent})
+        destination.commit(durable=durable, pool=writer)
     except BaseException as exc:
         run.abort.set()
         # Nothing may still write through a descriptor that undo is about to close.
@@ -504,7 +304,7 @@ def pull_files(
             fut.cancel()
         wait(futures)
         writer.shutdown(wait=True, cancel_futures=True)
-        layout.undo()
+        destination.undo()
         if isinstance(exc, OSError):
             raise dest_error(exc, dest) from exc
         raise
@@ -514,16 +314,25 @@ def pull_files(
     return stats
 
 
-def _sync_dirs(directories: set[Path]) -> None:
-    for directory in sorted(directories):
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            continue  # dest's parent may not be ours to open; the files themselves are synced
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EROFS):
-                raise
-        finally:
-            os.close(fd)
+def _interleaved(files: list[FileEntry]) -> list[str]:
+    """Distinct chunk ids, every file advancing at the same pace (by fraction of its size).
+
+    Writes to one file serialise on its inode lock (and with it the block allocation they
+    do), so concurrent writers should be writing different files until the very end: were
+    the files taken a chunk each in turn, the small ones would be done early and the end of
+    the pull would write the largest alone, one chunk at a time.
+    """
+    keyed: list[tuple[float, int, str]] = []
+    for index, entry in enumerate(files):
+        offset = 0
+        for ref in entry.chunks:
+            keyed.append((offset / entry.size if entry.size else 0.0, index, ref.id))
+            offset += ref.size
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    order: list[str] = []
+    seen: set[str] = set()
+    for _, _, chunk_id in keyed:
+        if chunk_id not in seen:
+            seen.add(chunk_id)
+            order.append(chunk_id)
+    return order

@@ -3,38 +3,31 @@
 Write order (docs/design.md): chunks, one sync that makes them durable, then the manifest.
 A push holds ``locks/push-<ckpt id>`` while it runs and, before committing, checks whether a
 gc swept meanwhile; if one did, chunks its index said were in the store are uploaded again
-(gc's side of the protocol is in ``storage/gc.py``). Streams (``storage/streams.py``) become
-ordinary file entries; ``upload_streams_ahead`` puts them in the store before the push that
-names them. The functions here work on a ``PushHost`` (the ``CheckpointStore``).
+(the protocol is ``storage/locks.py``). Streams (``storage/streams.py``) become ordinary
+file entries; ``upload_streams`` and ``upload_growing`` put them in the store before the
+push that names them. Every function here takes the store's parts (``StoreContext``) and
+hands chunks to the data path (``storage/pipeline.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import stat
 import time
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from gpusnap.errors import (
-    FailedPrecondition,
-    GpusnapError,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
-from gpusnap.storage.backend import Backend, sync_deferred
-from gpusnap.storage.catalog import write_manifest
+from gpusnap.errors import GpusnapError, InvalidArgument, NotFound, Unavailable
+from gpusnap.storage.backend import sync_deferred
+from gpusnap.storage.catalog import fetch_manifest, write_manifest
 from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.gc import LOCK_PREFIX, LockHolder
+from gpusnap.storage.context import StoreContext
 from gpusnap.storage.growing import growing_file_input
-from gpusnap.storage.index import ChunkIndex
-from gpusnap.storage.keys import EncryptionKeys, SigningKey
+from gpusnap.storage.layout import chunk_key
+from gpusnap.storage.locks import push_lock, sync_index_if_gc_ran
 from gpusnap.storage.manifest import (
     FileEntry,
     Manifest,
@@ -42,14 +35,8 @@ from gpusnap.storage.manifest import (
     check_workload,
     new_checkpoint_id,
 )
-from gpusnap.storage.pipeline import (
-    ProgressFn,
-    PushInput,
-    PushStats,
-    SourceFile,
-    chunk_key,
-    file_input,
-)
+from gpusnap.storage.parallel import ProgressFn
+from gpusnap.storage.pipeline import PushInput, PushStats, SourceFile, file_input, push_inputs
 from gpusnap.storage.streams import (
     STREAMS_EXTRA_KEY,
     StreamSource,
@@ -75,36 +62,7 @@ class PushResult:
         return asdict(self)
 
 
-class PushHost(Protocol):
-    """What a push needs of a store (``CheckpointStore`` is one)."""
-
-    backend: Backend
-    index: ChunkIndex
-    verify_manifests: bool
-    lock_refresh_seconds: float
-    _signer: SigningKey | None
-    _encryption: EncryptionKeys | None
-    _chunker: Chunker
-    _codec: ChunkCodec
-
-    def manifest(self, checkpoint_id: str) -> Manifest: ...
-
-    def _upload(
-        self,
-        files: list[SourceFile],
-        compress: bool | None,
-        progress: ProgressFn | None,
-        parents: Mapping[str, FileEntry] | None = None,
-    ) -> tuple[list[FileEntry], PushStats]: ...
-
-    def _upload_inputs(
-        self, inputs: list[PushInput], compress: bool | None, progress: ProgressFn | None
-    ) -> tuple[list[FileEntry], PushStats]: ...
-
-    def _sync_index_if_gc_ran(self, *, wait_for_running: bool = False) -> bool: ...
-
-
-def _parent_entries(host: PushHost, parent: str | None) -> dict[str, FileEntry]:
+def _parent_entries(ctx: StoreContext, parent: str | None) -> dict[str, FileEntry]:
     """The parent checkpoint's file entries by path: where to try cutting first.
 
     Only a hint (``storage/follow.py`` proves every boundary by its hash): a parent that
@@ -113,15 +71,21 @@ def _parent_entries(host: PushHost, parent: str | None) -> dict[str, FileEntry]:
     if parent is None:
         return {}
     try:
-        manifest = host.manifest(parent)
+        manifest = fetch_manifest(ctx, parent)
     except GpusnapError as exc:
         log.info("parent %s not readable (%s); cutting without it", parent, exc)
         return {}
     return {entry.path: entry for entry in manifest.files}
 
 
+def _file_inputs(
+    ctx: StoreContext, files: list[SourceFile], parents: Mapping[str, FileEntry]
+) -> list[PushInput]:
+    return [file_input(f, ctx.chunker, parents.get(f.path), ctx.codec.chunk_id) for f in files]
+
+
 def push_tree(
-    host: PushHost,
+    ctx: StoreContext,
     src: Path,
     *,
     workload: str,
@@ -135,17 +99,21 @@ def push_tree(
     streams: Mapping[str, StreamSource] | None,
     uploaded_streams: UploadedStreams | None,
 ) -> PushResult:
-    """``CheckpointStore.push``: upload ``src`` (and streams), then commit the manifest."""
+    """Upload ``src`` (and streams) as a new checkpoint, then commit its manifest.
+
+    ``CheckpointStore.push`` documents the arguments (and their defaults).
+    """
     started = time.monotonic()
     check_workload(workload)
     if parent is not None:
         check_checkpoint_id(parent)
     checkpoint_id = check_checkpoint_id(checkpoint_id) if checkpoint_id else new_checkpoint_id()
-    _check_can_sign(host._signer, host.verify_manifests)
+    ctx.keys.check_can_push()
+    squeeze = compress is not False
     files = _walk(src)
     if uploaded_streams is not None and uploaded_streams.of_files:
         files, uploaded_streams = _files_streamed(files, uploaded_streams)
-    stream_inputs, kinds = _stream_inputs(host._chunker, streams, {f.path for f in files})
+    stream_inputs, kinds = _stream_inputs(ctx.chunker, streams, {f.path for f in files})
     if uploaded_streams is not None:
         taken = {f.path for f in files} | set(kinds)
         for entry in uploaded_streams.entries:
@@ -155,28 +123,15 @@ def push_tree(
     if kinds and extra is not None and STREAMS_EXTRA_KEY in extra:
         raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
     created_at = time.time()
-    lock = LockHolder(
-        host.backend,
-        f"{LOCK_PREFIX}push-{checkpoint_id}",
-        {"host": socket.gethostname(), "pid": os.getpid(), "started_at": created_at},
-        host.lock_refresh_seconds,
-    )
-    lock.start()
-    try:
-        host._sync_index_if_gc_ran()
-        parents = _parent_entries(host, parent)
-        if stream_inputs:
-            entries, stats = host._upload_inputs(
-                [
-                    file_input(f, host._chunker, parents.get(f.path), host._codec.chunk_id)
-                    for f in files
-                ]
-                + stream_inputs,
-                compress,
-                progress,
-            )
-        else:
-            entries, stats = host._upload(files, compress, progress, parents)
+    with push_lock(ctx, checkpoint_id, created_at):
+        sync_index_if_gc_ran(ctx)
+        parents = _parent_entries(ctx, parent)
+        entries, stats = push_inputs(
+            ctx,
+            _file_inputs(ctx, files, parents) + stream_inputs,
+            compress=squeeze,
+            progress=progress,
+        )
         if uploaded_streams is not None:
             entries = entries + uploaded_streams.entries
             stats.bytes_total += uploaded_streams.bytes_total
@@ -185,30 +140,12 @@ def push_tree(
             stats.chunks_uploaded += uploaded_streams.chunks_uploaded
         # A gc that may have swept while this push ran could have removed chunks the index
         # said were there: wait for it, re-list, and upload whatever is missing.
-        if host._sync_index_if_gc_ran(wait_for_running=True):
-            missing = {c.id for e in entries for c in e.chunks if not host.index.contains(c.id)}
-            lost = sorted(
-                e.path for e in entries if e.path in kinds and missing & {c.id for c in e.chunks}
+        if sync_index_if_gc_ran(ctx, wait_for_running=True):
+            entries = _upload_what_gc_removed(
+                ctx, checkpoint_id, files, entries, kinds=kinds, stats=stats, compress=squeeze
             )
-            if lost:
-                # A stream cannot be read twice (GPU memory is gone once copied).
-                raise Unavailable(
-                    f"a gc removed chunks of stream {lost[0]} while it was pushed; "
-                    f"checkpoint {checkpoint_id} not committed"
-                )
-            if missing:
-                streamed = [e for e in entries if e.path in kinds]
-                log.info(
-                    "a gc removed %d chunks push %s needs; uploading them again",
-                    len(missing),
-                    checkpoint_id,
-                )
-                entries, again = host._upload(files, compress, None)
-                entries = entries + streamed
-                stats.bytes_uploaded += again.bytes_uploaded
-                stats.chunks_uploaded += again.chunks_uploaded
         # Write order: every chunk durable, then the manifest that names them.
-        make_durable(host.backend, host.index)
+        make_durable(ctx)
         seconds = time.monotonic() - started
         manifest = Manifest(
             checkpoint_id=checkpoint_id,
@@ -227,13 +164,7 @@ def push_tree(
             },
             extra=_with_streams(extra, kinds),
         )
-        write_manifest(host.backend, manifest, signer=host._signer, encryption=host._encryption)
-    finally:
-        lock.stop()
-        try:
-            host.backend.delete(lock.key)
-        except GpusnapError as exc:
-            log.warning("could not remove lock %s: %s", lock.key, exc)
+        write_manifest(ctx, manifest)
     if progress is not None:
         progress(stats.bytes_total, stats.bytes_total)
     log.info(
@@ -253,19 +184,43 @@ def push_tree(
     )
 
 
-def upload_streams_ahead(
-    host: PushHost,
-    streams: Mapping[str, StreamSource],
+def _upload_what_gc_removed(
+    ctx: StoreContext,
+    checkpoint_id: str,
+    files: list[SourceFile],
+    entries: list[FileEntry],
     *,
-    compress: bool | None,
-    progress: ProgressFn | None,
+    kinds: Mapping[str, str],
+    stats: PushStats,
+    compress: bool,
+) -> list[FileEntry]:
+    """After an index rebuild: the push's entries, with the files' chunks a gc removed put
+    back; a stream's (which cannot be read twice) fail the push."""
+    missing = {c.id for e in entries for c in e.chunks if not ctx.index.contains(c.id)}
+    lost = sorted(e.path for e in entries if e.path in kinds and missing & {c.id for c in e.chunks})
+    if lost:
+        # A stream cannot be read twice (GPU memory is gone once copied).
+        raise Unavailable(
+            f"a gc removed chunks of stream {lost[0]} while it was pushed; "
+            f"checkpoint {checkpoint_id} not committed"
+        )
+    if not missing:
+        return entries
+    streamed = [e for e in entries if e.path in kinds]
+    log.info(
+        "a gc removed %d chunks push %s needs; uploading them again",
+        len(missing),
+        checkpoint_id,
+    )
+    again, more = push_inputs(ctx, _file_inputs(ctx, files, {}), compress=compress, progress=None)
+    stats.bytes_uploaded += more.bytes_uploaded
+    stats.chunks_uploaded += more.chunks_uploaded
+    return again + streamed
+
+
+def _uploaded(
+    entries: list[FileEntry], stats: PushStats, started: float, kinds: dict[str, str]
 ) -> UploadedStreams:
-    """``CheckpointStore.upload_streams``: put the chunks of ``streams`` now; no manifest."""
-    started = time.monotonic()
-    _check_can_sign(host._signer, host.verify_manifests)
-    inputs, kinds = _stream_inputs(host._chunker, streams, ())
-    host._sync_index_if_gc_ran()
-    entries, stats = host._upload_inputs(inputs, compress, progress)
     return UploadedStreams(
         entries=entries,
         kinds=kinds,
@@ -275,6 +230,44 @@ def upload_streams_ahead(
         chunks_uploaded=stats.chunks_uploaded,
         seconds=time.monotonic() - started,
     )
+
+
+def upload_streams(
+    ctx: StoreContext,
+    streams: Mapping[str, StreamSource],
+    *,
+    compress: bool | None,
+    progress: ProgressFn | None,
+) -> UploadedStreams:
+    """Put the chunks of ``streams`` in the store now; a later push names them (no manifest)."""
+    started = time.monotonic()
+    ctx.keys.check_can_push()
+    inputs, kinds = _stream_inputs(ctx.chunker, streams, ())
+    sync_index_if_gc_ran(ctx)
+    entries, stats = push_inputs(ctx, inputs, compress=compress is not False, progress=progress)
+    return _uploaded(entries, stats, started, kinds)
+
+
+def upload_growing(
+    ctx: StoreContext,
+    path: Path,
+    name: str,
+    *,
+    complete: Callable[[], bool],
+    stop: Callable[[], bool],
+    kind: str,
+    compress: bool | None,
+) -> UploadedStreams:
+    """Upload a file while its writer appends to it (``CheckpointStore.upload_growing``)."""
+    started = time.monotonic()
+    ctx.keys.check_can_push()
+    check_stream_path(name)
+    source = growing_file_input(path, name, ctx.chunker, complete, stop=stop)
+    sync_index_if_gc_ran(ctx)
+    entries, stats = push_inputs(ctx, [source], compress=compress is not False, progress=None)
+    uploaded = _uploaded(entries, stats, started, {name: kind})
+    uploaded.of_files.add(name)
+    return uploaded
 
 
 def _files_streamed(
@@ -306,43 +299,6 @@ def _files_streamed(
     return [f for f in files if f.path not in kept.of_files], kept
 
 
-def upload_growing_file(
-    host: PushHost,
-    path: Path,
-    name: str,
-    *,
-    complete: Callable[[], bool],
-    stop: Callable[[], bool],
-    kind: str,
-    compress: bool | None,
-) -> UploadedStreams:
-    """``CheckpointStore.upload_growing``: upload a file while its writer appends to it."""
-    started = time.monotonic()
-    _check_can_sign(host._signer, host.verify_manifests)
-    check_stream_path(name)
-    source = growing_file_input(path, name, host._chunker, complete, stop=stop)
-    host._sync_index_if_gc_ran()
-    entries, stats = host._upload_inputs([source], compress, None)
-    return UploadedStreams(
-        entries=entries,
-        kinds={name: kind},
-        bytes_total=stats.bytes_total,
-        bytes_uploaded=stats.bytes_uploaded,
-        chunks_total=stats.chunks_total,
-        chunks_uploaded=stats.chunks_uploaded,
-        seconds=time.monotonic() - started,
-        of_files={name},
-    )
-
-
-def _check_can_sign(signer: SigningKey | None, verify_manifests: bool) -> None:
-    """Refuse, before any upload, a push whose manifest could not be signed."""
-    if signer is None and verify_manifests:
-        raise FailedPrecondition("pushing needs a signing key file (or verification off)")
-    if signer is not None and signer.private_key is None:
-        raise FailedPrecondition("signing needs the private key; this key file is public only")
-
-
 def _stream_inputs(
     chunker: Chunker, streams: Mapping[str, StreamSource] | None, taken: Collection[str]
 ) -> tuple[list[PushInput], dict[str, str]]:
@@ -366,17 +322,17 @@ def _stream_inputs(
     return inputs, kinds
 
 
-def make_durable(backend: Backend, index: ChunkIndex) -> None:
+def make_durable(ctx: StoreContext) -> None:
     """Make every pending chunk durable (one backend sync), and say so in the index.
 
     The pending entries are read before the sync starts, so each was added after its
     put returned: the sync covers it. They are this push's chunks and any left pending
     by earlier pushes of this boot (killed ones included) that this push may reference.
     """
-    pending = index.pending()
+    pending = ctx.index.pending()
     started = time.monotonic()
-    sync_deferred(backend, [chunk_key(chunk_id) for chunk_id, _mark in pending])
-    index.mark_synced(pending)
+    sync_deferred(ctx.backend, [chunk_key(chunk_id) for chunk_id, _mark in pending])
+    ctx.index.mark_synced(pending)
     log.debug(
         "synced the store for %d pending chunks in %.3fs",
         len(pending),

@@ -30,7 +30,6 @@ import botocore.exceptions
 from botocore.config import Config
 
 from gpusnap.errors import (
-    AlreadyExists,
     FailedPrecondition,
     GpusnapError,
     Internal,
@@ -38,14 +37,8 @@ from gpusnap.errors import (
     NotFound,
     Unavailable,
 )
-from gpusnap.storage.backend import (
-    BackendOptions,
-    ObjectInfo,
-    is_valid_key,
-    register_backend,
-    validate_key,
-    validate_prefix,
-)
+from gpusnap.storage.backend import BackendOptions, ObjectInfo, check_range, key_taken, no_object
+from gpusnap.storage.layout import is_valid_key, validate_key, validate_prefix
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +138,12 @@ class S3Backend:
         self._put_multipart(key, name, data, conditional)
 
     def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        if offset < 0 or (length is not None and length < 0):
-            raise InvalidArgument(f"invalid range for {key!r}: offset {offset}, length {length}")
+        check_range(key, offset, length)
         name = self._name(key)
         if length == 0:
             # "bytes=N-(N-1)" is not a valid range; S3 would ignore it and send everything.
             if self.stat(key) is None:
-                raise NotFound(f"no object {key!r} in {self.url}")
+                raise no_object(self.url, key)
             return b""
         extra: dict[str, str] = {}
         if offset or length is not None:
@@ -282,9 +274,9 @@ class S3Backend:
             if code == "NoSuchBucket":
                 return NotFound(f"{where}: bucket {self.bucket!r} does not exist")
             if code in _NOT_FOUND_CODES:
-                return NotFound(f"no object {key!r} in {self.url}")
+                return no_object(self.url, key)
             if code == "PreconditionFailed" or status == 412:
-                return AlreadyExists(f"object {key!r} already exists in {self.url}")
+                return key_taken(self.url, key)
             if code in _DENIED_CODES or status == 403:
                 return FailedPrecondition(
                     f"{where}: access denied to bucket {self.bucket!r} ({code}: {message})"
@@ -340,8 +332,6 @@ def _make_client(options: BackendOptions) -> Any:
 def open_s3_backend(url: str, options: BackendOptions) -> S3Backend:
     """Factory for ``s3://bucket`` and ``s3://bucket/prefix``."""
     parts = urlsplit(url)
-    if parts.query or parts.fragment:
-        raise InvalidArgument(f"store URL {url!r} may not carry a query or fragment")
     if not parts.netloc:
         raise InvalidArgument(f"store URL {url!r} names no bucket; expected s3://bucket/prefix")
     if "@" in parts.netloc or ":" in parts.netloc:
@@ -356,6 +346,3 @@ def open_s3_backend(url: str, options: BackendOptions) -> S3Backend:
             f"store URL {url!r} has an invalid prefix: an empty, '.' or '..' segment"
         )
     return S3Backend(parts.netloc, prefix, options)
-
-
-register_backend("s3", open_s3_backend)

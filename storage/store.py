@@ -1,143 +1,71 @@
 """``CheckpointStore``: push, pull, list, verify and gc checkpoints in one store.
 
-Key layout (see docs/design.md)::
-
-    chunks/<id[:2]>/<id>            chunk objects (codec.py), written once, named by content
-    manifests/<workload>/<ckpt id>  signed manifest envelopes, created with if_absent
-    locks/push-<ckpt id>            a push in flight (refreshed while it runs)
-    locks/gc-<gc id>                a gc run: started, then its finish time
-    migrations/                     reserved for the migration protocol
+A store is its parts (``context.StoreContext``: backend, keys, codec, chunker, index, pools)
+and the operations on them, one module each, which take the context and never call back
+here: ``push.py`` (push, upload_streams, upload_growing), ``catalog.py`` (reading, listing
+and writing manifests), ``pull.py`` (pull, open_stream), ``verify.py``, ``gc.py`` and
+``records.py`` (signed records). The keys they use are ``layout.py``'s. This class holds one
+context, says what each call means to its users, and delegates.
 
 Write order: chunks, a sync that makes them durable, then the manifest; readers go the other
-way. This module holds the store's state (backend, keys, index, worker pools) and its public
-methods; the work is done by one module each, to which the methods delegate:
-``storage/push.py`` (push, upload_streams), ``storage/catalog.py`` (reading, listing and
-writing manifests), ``storage/pull.py`` (pull), ``storage/verify.py`` (verify) and
-``storage/gc.py`` (gc, retention and the lock protocol that keeps a push's chunks alive).
+way (docs/design.md).
 """
 
 from __future__ import annotations
 
 import builtins
-import logging
-import os
-import time
 from collections.abc import Callable, Collection, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
-from gpusnap.storage.backend import Backend, BackendOptions, open_backend, sync_deferred
-from gpusnap.storage.catalog import find_manifest_key, list_manifests, read_manifest
-from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.gc import (
-    LOCK_PREFIX,
-    LOCK_REFRESH_SECONDS,
-    LOCK_STALE_SECONDS,
-    GcReport,
-    collect,
-    sync_index_if_gc_ran,
-)
-from gpusnap.storage.index import ChunkIndex, default_cache_dir
-from gpusnap.storage.keys import (
-    EncryptionKeys,
-    SigningKey,
-    load_encryption_key,
-    load_signing_key,
-    seal,
-    unseal,
-)
-from gpusnap.storage.manifest import MANIFEST_PREFIX, FileEntry, Manifest, ManifestSummary
-from gpusnap.storage.pipeline import (
-    CHUNK_PREFIX,
-    ProgressFn,
-    PushInput,
-    PushStats,
-    SourceFile,
-    chunk_id_of_key,
-    push_files,
-    push_inputs,
-    read_entry,
-)
-from gpusnap.storage.pull import pull_files
-from gpusnap.storage.push import PushResult, push_tree, upload_growing_file, upload_streams_ahead
-from gpusnap.storage.streams import StreamSource, UploadedStreams, stream_kinds
-from gpusnap.storage.verify import VerifyReport, verify_store
-
-log = logging.getLogger(__name__)
-
-MIGRATION_PREFIX = "migrations/"  # reserved: the migration protocol owns it
-RECORD_FORMAT = "gpusnap.record/1"
-
-
-@dataclass
-class PullResult:
-    checkpoint_id: str
-    bytes_total: int
-    bytes_fetched: int
-    chunks_total: int
-    seconds: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from gpusnap.errors import GpusnapError, InvalidArgument
+from gpusnap.storage import catalog, gc, pull, push, verify
+from gpusnap.storage.backend import Backend, BackendOptions, open_backend
+from gpusnap.storage.context import StoreContext, open_context
+from gpusnap.storage.gc import GcReport
+from gpusnap.storage.index import ChunkIndex, rebuild_index
+from gpusnap.storage.keys import StoreKeys, load_encryption_key, load_signing_key
+from gpusnap.storage.manifest import Manifest, ManifestSummary
+from gpusnap.storage.parallel import ProgressFn
+from gpusnap.storage.pull import PullResult
+from gpusnap.storage.push import PushResult
+from gpusnap.storage.records import SignedRecords, open_record, seal_record
+from gpusnap.storage.streams import StreamSource, UploadedStreams
+from gpusnap.storage.verify import VerifyReport
 
 
 class CheckpointStore:
     """A checkpoint store on one backend; thread-safe for independent calls."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        signer: SigningKey | None,
-        encryption: EncryptionKeys | None,
-        verify: bool = True,
-        cache_dir: Path | None = None,
-        workers: int | None = None,
-        chunker: Chunker | None = None,
-    ) -> None:
-        self.backend = backend
-        self.verify_manifests = verify
-        self._signer = signer
-        self._encryption = encryption
-        self._codec = ChunkCodec(encryption)
-        self._chunker = chunker or Chunker()
-        self.workers = workers or (os.cpu_count() or 2)
-        cache = cache_dir or default_cache_dir(backend.url)
-        self.index = ChunkIndex(cache / "index.sqlite", backend.url)
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-store")
-        # Puts and gets wait on storage, not on a core: they get their own, wider pool.
-        self.io_workers = max(8, 2 * self.workers)
-        self._io_executor = ThreadPoolExecutor(self.io_workers, thread_name_prefix="gpusnap-io")
-        # Bytes in flight (being hashed, compressed, or waiting on a put/get) at most.
-        self._budget = max(2 * self.workers, self.io_workers) * self._chunker.params.max_size
-        # Tunable for tests: how long a lock lives without refresh, and how often to refresh.
-        self.lock_stale_seconds = LOCK_STALE_SECONDS
-        self.lock_refresh_seconds = LOCK_REFRESH_SECONDS
+    def __init__(self, context: StoreContext) -> None:
+        self.context = context
 
-    # --- records: signed small objects --------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        """The store's backend (for tools and tests that look at objects themselves)."""
+        return self.context.backend
+
+    @property
+    def index(self) -> ChunkIndex:
+        """The node's local chunk index for this store (a hint, never the truth)."""
+        return self.context.index
+
+    # --- signed records -----------------------------------------------------------------
+
+    def records(self, prefix: str) -> SignedRecords:
+        """The signed records under ``prefix`` (e.g. ``layout.MIGRATION_PREFIX``): small
+        JSON objects written once and read back authenticated (``storage/records.py``)."""
+        return SignedRecords(self.context, prefix)
 
     def sign(self, payload: bytes) -> bytes:
         """Seal ``payload`` (signed, and encrypted when the store has an encryption key)."""
-        if self._signer is None:
-            raise FailedPrecondition("signing needs a signing key file")
-        return seal(RECORD_FORMAT, payload, signer=self._signer, encryption=self._encryption)
+        return seal_record(self.context.keys, payload)
 
     def open_signed(self, blob: bytes) -> bytes:
         """The payload of a record made by ``sign``; ``Corrupt`` if altered or foreign."""
-        return unseal(
-            blob,
-            RECORD_FORMAT,
-            signer=self._signer,
-            encryption=self._encryption,
-            verify=True,
-            what="signed record",
-        )
+        return open_record(self.context.keys, blob)
 
-    # --- push (storage/push.py) ---------------------------------------------------------
+    # --- push ---------------------------------------------------------------------------
 
     def push(
         self,
@@ -161,8 +89,8 @@ class CheckpointStore:
         already put in the store. Both become ordinary file entries, named in
         ``extra["streams"]`` with their kind; a path may not also be a file under ``src``.
         """
-        return push_tree(
-            self,
+        return push.push_tree(
+            self.context,
             src,
             workload=workload,
             parent=parent,
@@ -189,7 +117,7 @@ class CheckpointStore:
         memory copied with custom storage, before CRIU dumps the process). No manifest is
         written: pass the result to ``push(..., uploaded_streams=...)``.
         """
-        return upload_streams_ahead(self, streams, compress=compress, progress=progress)
+        return push.upload_streams(self.context, streams, compress=compress, progress=progress)
 
     def upload_growing(
         self,
@@ -208,76 +136,19 @@ class CheckpointStore:
         uses it instead of the file of that name if the file still has the size read
         (``storage/growing.py``).
         """
-        return upload_growing_file(
-            self, path, name, complete=complete, stop=stop, kind=kind, compress=compress
+        return push.upload_growing(
+            self.context, path, name, complete=complete, stop=stop, kind=kind, compress=compress
         )
-
-    def _upload_inputs(
-        self, inputs: builtins.list[PushInput], compress: bool | None, progress: ProgressFn | None
-    ) -> tuple[builtins.list[FileEntry], PushStats]:
-        return push_inputs(
-            inputs,
-            backend=self.backend,
-            codec=self._codec,
-            index=self.index,
-            executor=self._executor,
-            io_executor=self._io_executor,
-            budget_bytes=self._budget,
-            compress=compress is not False,
-            progress=progress,
-        )
-
-    def _upload(
-        self,
-        files: builtins.list[SourceFile],
-        compress: bool | None,
-        progress: ProgressFn | None,
-        parents: Mapping[str, FileEntry] | None = None,
-    ) -> tuple[builtins.list[FileEntry], PushStats]:
-        return push_files(
-            files,
-            backend=self.backend,
-            codec=self._codec,
-            index=self.index,
-            chunker=self._chunker,
-            executor=self._executor,
-            io_executor=self._io_executor,
-            budget_bytes=self._budget,
-            compress=compress is not False,
-            progress=progress,
-            parents=parents,
-        )
-
-    # --- the index and gc records -------------------------------------------------------
 
     def rebuild_index(self) -> int:
         """Rebuild the local chunk index from one LIST of the store; returns the chunk count."""
-        listed_at = time.time()
-        entries = []
-        for info in self.backend.list(CHUNK_PREFIX):
-            chunk_id = chunk_id_of_key(info.key)
-            if chunk_id is not None:
-                entries.append((chunk_id, info.size))
-        # A listed chunk may be one a local push put but has not synced yet (perhaps with
-        # another index): sync everything, so that every entry of the rebuilt index is
-        # durable. Rebuilds are rare (first use, after a gc), so a whole-store sync is fine.
-        sync_deferred(self.backend)
-        return self.index.replace_all(entries, listed_at)
+        return rebuild_index(self.context.backend, self.context.index)
 
-    # --- reading manifests (storage/catalog.py) -----------------------------------------
-
-    def _read_manifest(self, key: str, *, verify: bool | None = None) -> Manifest:
-        return read_manifest(
-            self.backend,
-            key,
-            signer=self._signer,
-            encryption=self._encryption,
-            verify=self.verify_manifests if verify is None else verify,
-        )
+    # --- reading manifests --------------------------------------------------------------
 
     def manifest(self, checkpoint_id: str) -> Manifest:
         """The checkpoint's manifest, fetched and authenticated (``NotFound`` / ``Corrupt``)."""
-        return self._read_manifest(find_manifest_key(self.backend, checkpoint_id))
+        return catalog.fetch_manifest(self.context, checkpoint_id)
 
     def list(self, workload: str | None = None) -> builtins.list[ManifestSummary]:
         """Checkpoints, newest first. Manifests that fail their checks are left out (logged)."""
@@ -292,7 +163,7 @@ class CheckpointStore:
         of the list; a caller showing the list to a person should say so, or a wrong key
         looks like an empty store.
         """
-        return list_manifests(self.backend, workload, self._read_manifest)
+        return catalog.list_manifests(self.context, workload)
 
     def latest(self, workload: str) -> ManifestSummary | None:
         found = self.list(workload)
@@ -314,39 +185,17 @@ class CheckpointStore:
 
         Entries pushed as streams of a kind in ``exclude_kinds`` are left out (read them
         with ``open_stream``); by default every entry is written as a file. ``direct`` writes
-        around the page cache and ``durable`` syncs before returning (see ``storage/pull.py``);
+        around the page cache and ``durable`` syncs before returning (see ``storage/dest.py``);
         a pull whose files are read back at once and thrown away wants neither.
         """
-        started = time.monotonic()
-        manifest = self.manifest(checkpoint_id)
-        if exclude_kinds:
-            kinds = stream_kinds(manifest)
-            left_out = {p for p, k in kinds.items() if k in exclude_kinds}
-            manifest = replace(
-                manifest, files=[f for f in manifest.files if f.path not in left_out]
-            )
-        # A local store's chunks are read faster than they decode: one thread per core both
-        # reads and decodes (more only contend for the cores). A remote store's fetches wait
-        # on the network: many in flight, their decodes still one per core.
-        local = self.backend.url.startswith("file://")
-        stats = pull_files(
-            manifest,
+        return pull.pull(
+            self.context,
+            checkpoint_id,
             dest,
-            backend=self.backend,
-            codec=self._codec,
-            executor=self._executor if local else self._io_executor,
-            budget_bytes=self._budget,
             progress=progress,
+            exclude_kinds=exclude_kinds,
             direct=direct,
             durable=durable,
-            decoders=self.workers,
-        )
-        return PullResult(
-            checkpoint_id,
-            stats.bytes_total,
-            stats.bytes_fetched,
-            stats.chunks_total,
-            time.monotonic() - started,
         )
 
     def open_stream(
@@ -358,53 +207,30 @@ class CheckpointStore:
         ``manifest``. Fetches run ahead in parallel within the store's memory budget; nothing
         is written to disk. A missing entry is ``NotFound``; a bad chunk ``Corrupt``.
         """
-        manifest = self.manifest(checkpoint) if isinstance(checkpoint, str) else checkpoint
-        entry = next((f for f in manifest.files if f.path == path), None)
-        if entry is None:
-            raise NotFound(f"checkpoint {manifest.checkpoint_id} has no entry {path!r}")
-        return read_entry(
-            entry,
-            backend=self.backend,
-            codec=self._codec,
-            executor=self._io_executor,
-            budget_bytes=self._budget,
-        )
+        return pull.open_stream(self.context, checkpoint, path)
 
-    # --- verify -------------------------------------------------------------------------
+    # --- verify and gc ------------------------------------------------------------------
 
     def verify(
         self, ids: builtins.list[str] | None = None, *, read_data: bool = False
     ) -> VerifyReport:
         """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks."""
-        return verify_store(
-            self.backend,
-            ids,
-            read_manifest=self._read_manifest,
-            codec=self._codec,
-            executor=self._executor,
-            read_data=read_data,
-        )
-
-    # --- gc (storage/gc.py) -------------------------------------------------------------
+        return verify.verify_store(self.context, ids, read_data=read_data)
 
     def gc(
         self, *, keep_last: int | None = None, grace_seconds: float = 3600.0, dry_run: bool = False
     ) -> GcReport:
         """Apply retention, then delete chunks no manifest references and older than grace.
 
-        The protocol that keeps a push's chunks alive is in ``storage/gc.py`` and
+        The protocol that keeps a push's chunks alive is in ``storage/locks.py`` and
         docs/design.md.
         """
-        return collect(self, keep_last=keep_last, grace_seconds=grace_seconds, dry_run=dry_run)
-
-    def _sync_index_if_gc_ran(self, *, wait_for_running: bool = False) -> bool:
-        return sync_index_if_gc_ran(self, wait_for_running=wait_for_running)
+        return gc.collect(
+            self.context, keep_last=keep_last, grace_seconds=grace_seconds, dry_run=dry_run
+        )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        self._io_executor.shutdown(wait=True)
-        self.index.close()
-        self.backend.close()
+        self.context.close()
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -430,23 +256,14 @@ def open_store(
         raise InvalidArgument("workers must be at least 1")
     backend = open_backend(url, options)
     try:
-        return CheckpointStore(
-            backend,
-            signer=signer,
-            encryption=encryption,
-            verify=verify,
-            cache_dir=cache_dir,
-            workers=workers,
-        )
+        keys = StoreKeys(signer, encryption, verify)
+        return CheckpointStore(open_context(backend, keys, cache_dir=cache_dir, workers=workers))
     except BaseException:
         backend.close()
         raise
 
 
-# The key prefixes are re-exported: they name the layout in this module's docstring.
 __all__ = [
-    "LOCK_PREFIX",
-    "MANIFEST_PREFIX",
     "CheckpointStore",
     "GcReport",
     "PullResult",

@@ -9,17 +9,19 @@ strays; no reader uses them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpusnap.errors import Corrupt, NotFound
-from gpusnap.storage.backend import Backend
-from gpusnap.storage.catalog import find_manifest_key
-from gpusnap.storage.codec import ChunkCodec
-from gpusnap.storage.manifest import MANIFEST_PREFIX, Manifest, split_manifest_key
-from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_id_of_key, chunk_key
+from gpusnap.storage.catalog import find_manifest_key, read_manifest
+from gpusnap.storage.context import StoreContext
+from gpusnap.storage.layout import (
+    CHUNK_PREFIX,
+    MANIFEST_PREFIX,
+    chunk_id_of_key,
+    chunk_key,
+    split_manifest_key,
+)
 
 
 @dataclass
@@ -56,20 +58,12 @@ class VerifyReport:
         return out
 
 
-def verify_store(
-    backend: Backend,
-    ids: list[str] | None,
-    *,
-    read_manifest: Callable[[str], Manifest],
-    codec: ChunkCodec,
-    executor: Executor,
-    read_data: bool,
-) -> VerifyReport:
+def verify_store(ctx: StoreContext, ids: list[str] | None, *, read_data: bool) -> VerifyReport:
     """Check the manifests of ``ids`` (all when ``None``) and the chunks they reference.
 
-    ``read_manifest`` opens and authenticates the manifest at a key; with ``read_data`` the
-    chunks are fetched and decoded on ``executor``.
+    With ``read_data`` the chunks are fetched and decoded on the CPU pool.
     """
+    backend = ctx.backend
     report = VerifyReport(read_data=read_data)
     if ids is None:
         keys = []
@@ -85,7 +79,7 @@ def verify_store(
     for key in keys:
         checkpoint_id = key.rpartition("/")[2]
         try:
-            manifest = read_manifest(key)
+            manifest = read_manifest(ctx, key)
         except (Corrupt, NotFound) as exc:
             report.manifests_bad.append(f"{checkpoint_id}: {exc}")
             continue
@@ -109,12 +103,12 @@ def verify_store(
         def check(chunk_id: str) -> str | None:
             try:
                 obj = backend.get(chunk_key(chunk_id))
-                codec.decode(chunk_id, obj, sizes[chunk_id])
+                ctx.codec.decode(chunk_id, obj, sizes[chunk_id])
             except (Corrupt, NotFound) as exc:
                 return f"{chunk_id} (checkpoint {referenced[chunk_id]}): {exc}"
             return None
 
-        for problem in executor.map(check, to_read):
+        for problem in ctx.pools.cpu.map(check, to_read):
             if problem is not None:
                 report.chunks_corrupt.append(problem)
     return report

@@ -21,11 +21,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 
-from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import HANG_GUARD, Node, Nodes, criu_or_skip
 from tests.support import workloads
 from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
@@ -175,9 +174,11 @@ def triggers_section(provider: str, url: str | None = None, **extra: object) -> 
     return "[triggers]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
 
 
-def migration_section(*, standby: bool, cold_start_after: float = 600.0) -> str:
+def migration_section(
+    *, standby: bool, cold_start_after: float = 600.0, poll_interval: float = POLL
+) -> str:
     return (
-        f"[migration]\nstandby = {json.dumps(standby)}\npoll_interval = {POLL}\n"
+        f"[migration]\nstandby = {json.dumps(standby)}\npoll_interval = {poll_interval}\n"
         f"cold_start_after = {cold_start_after}\n"
     )
 
@@ -206,6 +207,46 @@ class Cluster:
         )
         return node.start()
 
+    def reclaimed(
+        self,
+        wl: ReclaimWorkload,
+        provider: str = "none",
+        url: str | None = None,
+        *,
+        extra: str = "",
+        endpoint_url: str | None = None,
+    ) -> Node:
+        """Node ``a``: runs the workload and watches ``provider`` (its metadata server at
+        ``url``); it is the node a notice reclaims."""
+        return self.node(
+            "a",
+            triggers_section(provider, url)
+            + migration_section(standby=False)
+            + workload_section(wl.pid_file, extra=extra),
+            endpoint_url=endpoint_url,
+        )
+
+    def standby(
+        self,
+        name: str,
+        wl: ReclaimWorkload,
+        *,
+        revision: str = "r1",
+        marker: Path | None = None,
+        cold_start_after: float = 600.0,
+        poll_interval: float = POLL,
+    ) -> Node:
+        """A standby node that watches no cloud and adopts the workload (``revision``: the
+        model build it runs; ``marker``: what its cold-start command writes)."""
+        return self.node(
+            name,
+            triggers_section("none")
+            + migration_section(
+                standby=True, cold_start_after=cold_start_after, poll_interval=poll_interval
+            )
+            + workload_section(wl.pid_file, revision=revision, marker=marker),
+        )
+
     def keys(self, sub: str = "") -> list[str]:
         client = self.moto.client()
         try:
@@ -230,65 +271,3 @@ def cluster(tmp_path: Path, moto: MotoServer, workload: ReclaimWorkload) -> Iter
         yield Cluster(nodes, moto)
     finally:
         nodes.close()
-
-
-# --- what the nodes say, through the real CLI ----------------------------------------------
-
-
-def cli_json(node: Node, *args: str) -> Any:
-    res = node.cli(*args, "--json")
-    assert res.rc == 0, f"gpusnap {' '.join(args)} on {node.name}: {res.stderr}\n{node.log()}"
-    return res.json
-
-
-def jobs(node: Node, kind: str | None = None) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = cli_json(node, "jobs")["jobs"]
-    return [j for j in items if kind is None or j["kind"] == kind]
-
-
-def reclaim_jobs(node: Node) -> list[dict[str, Any]]:
-    return [
-        j
-        for j in jobs(node, "checkpoint")
-        if j["trigger"].split(":")[0] in ("reclaim", "drill", "maintenance", "shutdown")
-    ]
-
-
-def migrations(node: Node) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = cli_json(node, "migrations")["migrations"]
-    return items
-
-
-def finished_migration(node: Node) -> dict[str, Any]:
-    """Wait for the one migration to have an outcome; return it (``gpusnap migrations``)."""
-
-    def probe() -> dict[str, Any] | None:
-        items = migrations(node)
-        done = [m for m in items if m["outcome"] is not None]
-        return done[0] if done else None
-
-    try:
-        return wait_for("a migration outcome", probe)
-    except TimeoutError as exc:
-        # What the board and the node said, so that a hang seen once can be diagnosed.
-        raise AssertionError(
-            f"{exc}\nmigrations: {migrations(node)}\njobs: {jobs(node)}\n"
-            f"triggers: {cli_json(node, 'triggers').get('standby')}\n"
-            f"log of {node.name}:\n{node.log()}"
-        ) from exc
-
-
-def committed_reclaim(node: Node) -> dict[str, Any]:
-    """Wait for the node's reclaim checkpoint job to end; return it."""
-
-    def probe() -> dict[str, Any] | None:
-        done = [j for j in reclaim_jobs(node) if j["state"] in ("succeeded", "failed", "cancelled")]
-        return done[0] if done else None
-
-    job = wait_for("the reclaim checkpoint to end", probe)
-    assert job["state"] == "succeeded", f"{job}\n{node.log()}"
-    return job
-
-
-def assert_alive(pid: int) -> None:
-    assert proctree.exists(pid)

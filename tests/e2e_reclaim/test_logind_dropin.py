@@ -5,7 +5,7 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
-from gpusnap.daemon.triggers.wiring import STOP_RECLAIM_BUDGET_S
+from gpusnap.daemon.reclaim.runtime import STOP_RECLAIM_BUDGET_S
 
 DROPIN = Path(__file__).resolve().parents[2] / "systemd" / "gpusnapd-logind.conf"
 

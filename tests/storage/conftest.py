@@ -1,4 +1,5 @@
-"""Fixtures for the storage tests: a moto S3 server for the session, and a store of each kind."""
+"""Fixtures for the storage tests: a moto S3 server for the session, keys, and stores of each
+kind (a bare backend, or a checkpoint store on it)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from gpusnap.storage import CheckpointStore
 from gpusnap.storage.backend import Backend, BackendOptions, open_backend
+from tests.storage.store_helpers import Keys, file_store, make_keys
 from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
 
 # Small enough that a 12 MiB object goes up in three real parts (S3's floor is 5 MiB).
@@ -74,3 +77,27 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreUnder
         yield under_test
     finally:
         backend.close()
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Keys:
+    return make_keys(tmp_path / "keys")
+
+
+@pytest.fixture(params=["file", "s3"])
+def checkpoint_store(
+    request: pytest.FixtureRequest, tmp_path: Path, keys: Keys
+) -> Iterator[CheckpointStore]:
+    """A checkpoint store with a signing key, on a directory and on S3 (moto over HTTP)."""
+    if request.param == "file":
+        opened = file_store(tmp_path, keys)
+    else:
+        moto: MotoServer = request.getfixturevalue("moto_server")
+        bucket: str = request.getfixturevalue("s3_bucket")
+        opened = file_store(
+            tmp_path, keys, url=f"s3://{bucket}/ckpt", options=fast_options(moto.endpoint_url)
+        )
+    try:
+        yield opened
+    finally:
+        opened.close()

@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpusnap.storage import BackendOptions, CheckpointStore, generate_signing_key, open_store
+from gpusnap.storage import (
+    BackendOptions,
+    CheckpointStore,
+    PushResult,
+    generate_signing_key,
+    open_store,
+)
 from gpusnap.storage.keys import generate_encryption_key
 
 MiB = 1024 * 1024
@@ -61,6 +67,19 @@ def make_tree(root: Path, seed: int = 0) -> Path:
     os.chmod(root / "core.img", 0o600)
     os.chmod(root / "pages" / "deep" / "er" / "tiny", 0o4755)  # setuid must not survive
     return root
+
+
+def write_src(root: Path, files: dict[str, bytes]) -> Path:
+    """A source directory ``root`` holding ``files`` (name: bytes)."""
+    root.mkdir(parents=True)
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root
+
+
+def push_tree(store: CheckpointStore, tmp_path: Path) -> PushResult:
+    """``make_tree(tmp_path / "src")``, pushed as workload ``w``."""
+    return store.push(make_tree(tmp_path / "src"), workload="w")
 
 
 def tree_contents(root: Path) -> dict[str, tuple[bytes, int]]:

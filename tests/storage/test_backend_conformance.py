@@ -16,7 +16,7 @@ from gpusnap.storage.backend import (
     open_backend,
     registered_schemes,
 )
-from gpusnap.storage.file_ops import TEMP_PREFIX
+from gpusnap.storage.layout import TEMP_PREFIX
 from tests.storage.conftest import MULTIPART_CHUNKSIZE, StoreUnderTest, fast_options
 from tests.support.moto_server import MotoServer
 

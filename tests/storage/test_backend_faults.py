@@ -17,7 +17,7 @@ from gpusnap.errors import (
 )
 from gpusnap.storage.backend import Backend, ObjectInfo, backend_factory, open_backend
 from gpusnap.storage.file_backend import FileBackend
-from gpusnap.storage.file_ops import TEMP_PREFIX
+from gpusnap.storage.layout import TEMP_PREFIX
 from gpusnap.storage.retry import RetryingBackend
 from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import mounted_tmpfs

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.errors import InvalidArgument
-from gpusnap.storage.pipeline import PushInput
+from gpusnap.storage.pipeline import PushInput, push_inputs
 from tests.storage.store_helpers import MiB, file_store, make_keys, random_bytes
 
 
@@ -40,7 +40,7 @@ def test_an_error_while_cutting_ahead_fails_the_push_and_stops_every_cutter(
     ]
     with file_store(tmp_path, make_keys(tmp_path / "keys")) as store:
         with pytest.raises(InvalidArgument, match=r"b\.img changed size"):
-            store._upload_inputs(inputs, None, None)
+            push_inputs(store.context, inputs, compress=True, progress=None)
         assert _cutters() == []
 
 
@@ -51,8 +51,8 @@ def test_files_cut_ahead_give_the_same_entries_as_cutting_in_turn(tmp_path: Path
     for item in in_turn:
         item.cut_ahead = False
     with file_store(tmp_path, make_keys(tmp_path / "keys")) as store:
-        first, _ = store._upload_inputs(ahead, None, None)
-        second, _ = store._upload_inputs(in_turn, None, None)
+        first, _ = push_inputs(store.context, ahead, compress=True, progress=None)
+        second, _ = push_inputs(store.context, in_turn, compress=True, progress=None)
     assert first == second
     assert [e.path for e in first] == ["f0", "f1", "f2", "f3"]
     assert _cutters() == []

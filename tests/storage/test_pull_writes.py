@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from gpusnap.errors import Corrupt
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage import pull as pull_mod
 from gpusnap.storage.codec import HEADER_SIZE, ChunkCodec
+from gpusnap.storage.context import Pools
+from gpusnap.storage.dest import TMP_PREFIX
 from tests.storage.store_helpers import MiB, bf16_like, file_store, make_keys, random_bytes
 
 KiB = 1024
@@ -72,7 +75,7 @@ def test_pull_round_trips_every_mode(
     store.pull(cid, dest, direct=direct, durable=durable)
     for rel, data in files.items():
         assert (dest / rel).read_bytes() == data, rel
-    assert not [p.name for p in dest.iterdir() if p.name.startswith(pull_mod.TMP_PREFIX)]
+    assert not [p.name for p in dest.iterdir() if p.name.startswith(TMP_PREFIX)]
 
 
 def test_direct_pull_writes_the_block_aligned_interiors_directly(
@@ -80,15 +83,7 @@ def test_direct_pull_writes_the_block_aligned_interiors_directly(
 ) -> None:
     files, cid = pushed_image(store, tmp_path)
     manifest = store.manifest(cid)
-    stats = pull_mod.pull_files(
-        manifest,
-        tmp_path / "dest",
-        backend=store.backend,
-        codec=store._codec,
-        executor=store._io_executor,
-        budget_bytes=64 * MiB,
-        progress=None,
-    )
+    stats = pull_mod.pull_files(store.context, manifest, tmp_path / "dest")
     # The page image but the unaligned edges of its chunks; not the small file, not the zero
     # grains, and not the KV pool's short data runs (64 KiB blocks go through the page cache).
     pages = len(files["pages-1.img"])
@@ -136,7 +131,7 @@ def test_a_durable_pull_syncs_each_file_once_before_it_is_renamed(
     monkeypatch.setattr(os, "fsync", fsync)
     dest = tmp_path / "dest"
     store.pull(cid, dest)
-    temps = sorted(p for p in synced if Path(p).name.startswith(pull_mod.TMP_PREFIX))
+    temps = sorted(p for p in synced if Path(p).name.startswith(TMP_PREFIX))
     # Every file under its temporary name (so before the rename), once; then the directory.
     assert sorted(Path(p).name.split("-", 3)[-1] for p in temps) == sorted(files)
     assert str(dest) in synced
@@ -166,7 +161,7 @@ def test_files_are_written_at_the_same_pace(store: CheckpointStore, tmp_path: Pa
 def test_decodes_run_at_most_decoders_at_once(store: CheckpointStore, tmp_path: Path) -> None:
     files, cid = pushed_image(store, tmp_path)
     manifest = store.manifest(cid)
-    codec = store._codec
+    codec = store.context.codec
     live = 0
     peak = 0
     lock = threading.Lock()
@@ -188,16 +183,10 @@ def test_decodes_run_at_most_decoders_at_once(store: CheckpointStore, tmp_path: 
             return codec.chunk_id(data)
 
     with ThreadPoolExecutor(8) as fetchers:
-        pull_mod.pull_files(
-            manifest,
-            tmp_path / "dest",
-            backend=store.backend,
-            codec=CountingCodec(),  # type: ignore[arg-type]
-            executor=fetchers,
-            budget_bytes=256 * MiB,
-            progress=None,
-            decoders=2,
-        )
+        # Eight fetch threads, two workers: at most two chunks decode at once.
+        pools = Pools(workers=2, io_workers=8, budget_bytes=256 * MiB, cpu=fetchers, io=fetchers)
+        counting = replace(store.context, codec=CountingCodec(), pools=pools)  # type: ignore[arg-type]
+        pull_mod.pull_files(counting, manifest, tmp_path / "dest")
     assert peak == 2
     for rel, data in files.items():
         assert (tmp_path / "dest" / rel).read_bytes() == data, rel
@@ -222,8 +211,8 @@ def test_filesystem_refusing_direct_writes_falls_back(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pull_mod.os, "open", tracking_open)
-    monkeypatch.setattr(pull_mod.os, "pwrite", refusing_pwrite)
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
     dest = tmp_path / "dest"
     result = store.pull(cid, dest)
     assert direct_fds, "O_DIRECT was never tried"
@@ -246,7 +235,7 @@ def test_disk_error_on_a_direct_write_fails_the_pull_and_leaves_nothing(
             raise OSError(errno.EIO, "Input/output error")
         return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pull_mod.os, "pwrite", failing_pwrite)
+    monkeypatch.setattr(os, "pwrite", failing_pwrite)
     dest = tmp_path / "dest"
     with pytest.raises(Exception, match="Input/output error"):
         store.pull(cid, dest)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,45 +16,25 @@ from gpusnap.errors import (
 )
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.keys import export_public_key
-from gpusnap.storage.pipeline import CHUNK_PREFIX
-from tests.storage.conftest import fast_options
+from gpusnap.storage.layout import CHUNK_PREFIX
 from tests.storage.store_helpers import (
     Keys,
     MiB,
     all_files,
     file_store,
-    make_keys,
     make_tree,
+    push_tree,
     random_bytes,
     tree_contents,
+    write_src,
 )
-from tests.support.moto_server import MotoServer
 
 PAGE = 4096
 
 
 @pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
-
-
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, keys: Keys) -> Iterator[CheckpointStore]:
-    if request.param == "file":
-        opened = file_store(tmp_path, keys)
-    else:
-        moto: MotoServer = request.getfixturevalue("moto_server")
-        bucket: str = request.getfixturevalue("s3_bucket")
-        opened = file_store(
-            tmp_path,
-            keys,
-            url=f"s3://{bucket}/ckpt",
-            options=fast_options(moto.endpoint_url),
-        )
-    try:
-        yield opened
-    finally:
-        opened.close()
+def store(checkpoint_store: CheckpointStore) -> CheckpointStore:
+    return checkpoint_store
 
 
 def test_round_trip_restores_every_file_byte_for_byte_with_safe_modes(
@@ -164,11 +143,8 @@ def test_list_latest_and_lookup_errors(store: CheckpointStore, tmp_path: Path) -
 def test_pull_refuses_to_overwrite_and_writes_nothing(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
-    dest = tmp_path / "dest"
-    dest.mkdir()
-    (dest / "core.img").write_bytes(b"mine")
+    pushed = push_tree(store, tmp_path)
+    dest = write_src(tmp_path / "dest", {"core.img": b"mine"})
     with pytest.raises(AlreadyExists):
         store.pull(pushed.checkpoint_id, dest)
     assert all_files(dest) == [dest / "core.img"]
@@ -178,10 +154,9 @@ def test_pull_refuses_to_overwrite_and_writes_nothing(
 def test_push_of_an_existing_checkpoint_id_is_refused(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     with pytest.raises(AlreadyExists):
-        store.push(src, workload="w", checkpoint_id=pushed.checkpoint_id)
+        store.push(tmp_path / "src", workload="w", checkpoint_id=pushed.checkpoint_id)
 
 
 def test_compression_auto_and_off(store: CheckpointStore, tmp_path: Path) -> None:

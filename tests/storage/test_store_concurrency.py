@@ -9,24 +9,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from gpusnap.storage import CheckpointStore, PushResult
-from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_key
-from gpusnap.storage.store import LOCK_PREFIX, MANIFEST_PREFIX
-from tests.storage.store_helpers import Keys, MiB, file_store, make_keys, random_bytes
-
-
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
-
-
-def write_src(root: Path, files: dict[str, bytes]) -> Path:
-    root.mkdir(parents=True)
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    return root
+from gpusnap.storage.layout import (
+    CHUNK_PREFIX,
+    LOCK_PREFIX,
+    MANIFEST_PREFIX,
+    chunk_key,
+    push_lock_key,
+)
+from tests.storage.store_helpers import Keys, MiB, file_store, random_bytes, write_src
 
 
 def in_thread(
@@ -173,33 +164,31 @@ def test_push_rechecks_its_chunks_when_a_sweeping_gc_overlapped_it(
         store.close()
 
 
+def _unreferenced_chunks_and_a_push_lock(store: CheckpointStore, tmp_path: Path, seed: int) -> str:
+    """Chunks no manifest names (a gc may delete them) and a push lock; the lock's key."""
+    store.push(write_src(tmp_path / "v1", {"x.img": random_bytes(2 * MiB, seed)}), workload="w")
+    delete_manifests(store)
+    key = push_lock_key(f"20000101T000000Z-00000000{seed:02d}")
+    store.backend.put(key, b"{}")
+    return key
+
+
 def test_gc_ignores_and_removes_a_stale_push_lock(tmp_path: Path, keys: Keys) -> None:
-    store = file_store(tmp_path, keys)
-    try:
-        store.push(write_src(tmp_path / "v1", {"x.img": random_bytes(2 * MiB, 40)}), workload="w")
-        delete_manifests(store)
-        key = f"{LOCK_PREFIX}push-20000101T000000Z-0000000000"
-        store.backend.put(key, b"{}")
-        old = time.time() - 2 * store.lock_stale_seconds
+    with file_store(tmp_path, keys) as store:
+        key = _unreferenced_chunks_and_a_push_lock(store, tmp_path, 40)
+        old = time.time() - 2 * store.context.options.lock_stale_seconds
         os.utime(tmp_path / "store" / key, (old, old))
         report = store.gc(grace_seconds=0)
         assert report.stale_locks_removed == [key]
         assert not report.blocked_by
         assert report.chunks_deleted > 0
         assert store.backend.stat(key) is None
-    finally:
-        store.close()
 
 
 def test_gc_with_a_fresh_push_lock_deletes_no_chunk(tmp_path: Path, keys: Keys) -> None:
-    store = file_store(tmp_path, keys)
-    try:
-        store.push(write_src(tmp_path / "v1", {"x.img": random_bytes(2 * MiB, 50)}), workload="w")
-        delete_manifests(store)
-        store.backend.put(f"{LOCK_PREFIX}push-20000101T000000Z-0000000001", b"{}")
+    with file_store(tmp_path, keys) as store:
+        key = _unreferenced_chunks_and_a_push_lock(store, tmp_path, 50)
         before = sorted(i.key for i in store.backend.list(CHUNK_PREFIX))
         report = store.gc(grace_seconds=0)
-        assert report.blocked_by and report.chunks_deleted == 0
+        assert report.blocked_by == [key] and report.chunks_deleted == 0
         assert sorted(i.key for i in store.backend.list(CHUNK_PREFIX)) == before
-    finally:
-        store.close()

@@ -16,11 +16,12 @@ import pytest
 from gpusnap.errors import Internal
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.backend import ObjectInfo
+from gpusnap.storage.context import open_context
 from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.index import ChunkIndex
-from gpusnap.storage.keys import load_signing_key
-from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_id_of_key
-from tests.storage.store_helpers import Keys, MiB, make_keys, make_tree, random_bytes
+from gpusnap.storage.keys import StoreKeys, load_signing_key
+from gpusnap.storage.layout import CHUNK_PREFIX, chunk_id_of_key
+from tests.storage.store_helpers import Keys, MiB, make_tree, random_bytes
 
 
 class RecordingBackend:
@@ -73,19 +74,22 @@ class RecordingBackend:
         self.inner.close()
 
 
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
-
-
 def _store(tmp_path: Path, keys: Keys, backend: RecordingBackend) -> CheckpointStore:
-    return CheckpointStore(
-        backend,
-        signer=load_signing_key(keys.signing),
-        encryption=None,
-        cache_dir=tmp_path / "cache",
-        workers=2,
-    )
+    signing = StoreKeys(load_signing_key(keys.signing), None)
+    return CheckpointStore(open_context(backend, signing, cache_dir=tmp_path / "cache", workers=2))
+
+
+def _push_killed_before_its_sync(
+    tmp_path: Path, keys: Keys, *, seed: int
+) -> tuple[RecordingBackend, Path]:
+    """A push whose backend fails its sync (as if killed there): the backend and the source."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages.img").write_bytes(random_bytes(6 * MiB, seed))
+    crashing = RecordingBackend(tmp_path / "store", fail_sync=True)
+    with _store(tmp_path, keys, crashing) as store, pytest.raises(Internal):
+        store.push(src, workload="w")
+    return crashing, src
 
 
 def test_every_chunk_put_is_synced_before_the_manifest_is_written(
@@ -115,12 +119,7 @@ def test_every_chunk_put_is_synced_before_the_manifest_is_written(
 def test_a_push_that_dies_before_the_sync_commits_nothing_and_its_chunks_are_not_trusted_after_a_reboot(  # noqa: E501
     tmp_path: Path, keys: Keys
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "pages.img").write_bytes(random_bytes(6 * MiB, 1))
-    crashing = RecordingBackend(tmp_path / "store", fail_sync=True)
-    with _store(tmp_path, keys, crashing) as store, pytest.raises(Internal):
-        store.push(src, workload="w")
+    crashing, _src = _push_killed_before_its_sync(tmp_path, keys, seed=1)
     written = {
         cid
         for op, key in crashing.calls
@@ -150,12 +149,7 @@ def test_a_push_that_dies_before_the_sync_commits_nothing_and_its_chunks_are_not
 def test_a_push_after_a_killed_one_reuses_its_chunks_and_syncs_them(
     tmp_path: Path, keys: Keys
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "pages.img").write_bytes(random_bytes(6 * MiB, 2))
-    crashing = RecordingBackend(tmp_path / "store", fail_sync=True)
-    with _store(tmp_path, keys, crashing) as store, pytest.raises(Internal):
-        store.push(src, workload="w")
+    crashing, src = _push_killed_before_its_sync(tmp_path, keys, seed=2)
 
     backend = RecordingBackend(tmp_path / "store")
     with _store(tmp_path, keys, backend) as store:

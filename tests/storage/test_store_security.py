@@ -14,9 +14,8 @@ from blake3 import blake3
 from gpusnap.errors import Corrupt, FailedPrecondition
 from gpusnap.storage import CheckpointStore, ChunkRef
 from gpusnap.storage.keys import load_signing_key, seal
+from gpusnap.storage.layout import CHUNK_PREFIX, MANIFEST_PREFIX, chunk_key
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
-from gpusnap.storage.pipeline import CHUNK_PREFIX, chunk_key
-from gpusnap.storage.store import MANIFEST_PREFIX
 from tests.storage.store_helpers import (
     Keys,
     MiB,
@@ -24,14 +23,10 @@ from tests.storage.store_helpers import (
     file_store,
     make_keys,
     make_tree,
+    push_tree,
     random_bytes,
     tree_contents,
 )
-
-
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
 
 
 @pytest.fixture
@@ -54,8 +49,7 @@ def manifest_key(store: CheckpointStore, checkpoint_id: str) -> str:
 def test_flipped_byte_in_a_chunk_is_refused_on_pull_and_found_by_read_data(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     manifest = store.manifest(pushed.checkpoint_id)
     victim = max((c for f in manifest.files for c in f.chunks), key=lambda c: c.size)
     path = store_path(tmp_path, chunk_key(victim.id))
@@ -77,8 +71,7 @@ def test_flipped_byte_in_a_chunk_is_refused_on_pull_and_found_by_read_data(
 def test_missing_chunk_is_reported_by_verify_and_refused_by_pull(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     victim = store.manifest(pushed.checkpoint_id).files[-1].chunks[0]
     store.backend.delete(chunk_key(victim.id))
     report = store.verify([pushed.checkpoint_id])
@@ -89,8 +82,7 @@ def test_missing_chunk_is_reported_by_verify_and_refused_by_pull(
 
 
 def test_edited_manifest_is_refused(store: CheckpointStore, tmp_path: Path) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     key = manifest_key(store, pushed.checkpoint_id)
     envelope = json.loads(store.backend.get(key))
     payload = json.loads(base64.b64decode(envelope["payload"]))
@@ -106,8 +98,7 @@ def test_edited_manifest_is_refused(store: CheckpointStore, tmp_path: Path) -> N
 
 
 def test_manifest_moved_to_another_id_is_refused(store: CheckpointStore, tmp_path: Path) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     blob = store.backend.get(manifest_key(store, pushed.checkpoint_id))
     store.backend.put(f"{MANIFEST_PREFIX}w/20990101T000000Z-0123456789", blob)
     with pytest.raises(Corrupt, match="describes"):
@@ -120,8 +111,7 @@ def test_manifest_moved_to_another_id_is_refused(store: CheckpointStore, tmp_pat
 def test_manifest_with_an_escaping_path_is_refused_and_nothing_is_written(
     store: CheckpointStore, tmp_path: Path, keys: Keys, evil: str
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     key = manifest_key(store, pushed.checkpoint_id)
     payload = json.loads(store.manifest(pushed.checkpoint_id).to_json())
     payload["files"][-1]["path"] = evil  # keep the good files first: none may be written
@@ -143,8 +133,7 @@ def test_manifest_with_an_escaping_path_is_refused_and_nothing_is_written(
 def test_symlink_in_the_destination_cannot_redirect_writes(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = make_tree(tmp_path / "src")
-    pushed = store.push(src, workload="w")
+    pushed = push_tree(store, tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
     dest = tmp_path / "dest"

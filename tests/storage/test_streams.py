@@ -10,14 +10,9 @@ import pytest
 from gpusnap.errors import Corrupt, InvalidArgument
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.chunker import Chunker
-from gpusnap.storage.pipeline import chunk_key
+from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, cut_stream, stream_kinds
-from tests.storage.store_helpers import Keys, MiB, file_store, make_keys, random_bytes
-
-
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return make_keys(tmp_path / "keys")
+from tests.storage.store_helpers import Keys, MiB, file_store, random_bytes, write_src
 
 
 @pytest.fixture
@@ -52,9 +47,7 @@ def test_a_stream_cuts_into_the_same_chunks_as_a_file_with_its_bytes(tmp_path: P
 def test_push_with_streams_round_trips_and_pull_can_leave_them_out(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "core.img").write_bytes(b"core" * 1000)
+    src = write_src(tmp_path / "src", {"core.img": b"core" * 1000})
     memory = random_bytes(9 * MiB + 3, 11)
     pushed = store.push(
         src,
@@ -87,9 +80,7 @@ def test_uploaded_streams_are_named_by_a_later_push(store: CheckpointStore, tmp_
         {"gpu/dev.mem": StreamSource(len(memory), pieces(memory, 100_000), GPU_MEMORY_KIND)}
     )
     assert uploaded.bytes_total == len(memory) and uploaded.chunks_uploaded >= 1
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a").write_bytes(b"a")
+    src = write_src(tmp_path / "src", {"a": b"a"})
     pushed = store.push(src, workload="w", uploaded_streams=uploaded)
     assert pushed.bytes_total == len(memory) + 1
     got = b"".join(bytes(d) for _o, d in store.open_stream(pushed.checkpoint_id, "gpu/dev.mem"))
@@ -99,17 +90,14 @@ def test_uploaded_streams_are_named_by_a_later_push(store: CheckpointStore, tmp_
 def test_a_stream_shorter_than_declared_fails_the_push_and_commits_nothing(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
+    src = write_src(tmp_path / "src", {})
     with pytest.raises(InvalidArgument, match="yielded 1000 bytes, declared 2000"):
         store.push(src, workload="w", streams={"s": StreamSource(2000, [b"x" * 1000])})
     assert store.list("w") == []
 
 
 def test_a_stream_may_not_shadow_a_file(store: CheckpointStore, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "s").write_bytes(b"file")
+    src = write_src(tmp_path / "src", {"s": b"file"})
     with pytest.raises(InvalidArgument, match="collides"):
         store.push(src, workload="w", streams={"s": StreamSource(1, [b"x"])})
     with pytest.raises(InvalidArgument, match="invalid stream path"):
@@ -117,8 +105,7 @@ def test_a_stream_may_not_shadow_a_file(store: CheckpointStore, tmp_path: Path) 
 
 
 def test_open_stream_refuses_a_damaged_chunk(store: CheckpointStore, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
+    src = write_src(tmp_path / "src", {})
     memory = random_bytes(2 * MiB, 3)
     pushed = store.push(src, workload="w", streams={"m": StreamSource(len(memory), [memory])})
     manifest = store.manifest(pushed.checkpoint_id)

@@ -28,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+LOOPBACK = "127.0.0.1"
+
 
 @dataclass
 class Recorded:
@@ -114,14 +116,13 @@ class MetadataServer:
         self.flap_mode = "garbage"
         self._flap_rng = random.Random(1234)  # seeded: a flapping run is reproducible
         self.stopping = threading.Event()
-        self._httpd = _Server(("127.0.0.1", 0), _Handler)
+        self._httpd = _Server((LOOPBACK, 0), _Handler)
         self._httpd.owner = self
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{LOOPBACK}:{self._httpd.server_port}"
 
     def start(self) -> MetadataServer:
         self._thread.start()
@@ -150,6 +151,12 @@ class MetadataServer:
     def respond(self, rec: Recorded) -> tuple[int, bytes, dict[str, str]]:
         raise NotImplementedError
 
+    def reclaim(self, at: float | None = None) -> float | None:
+        """Announce that the platform takes the VM back at ``at`` (default: its usual notice),
+        the provider's way; the deadline the notice carries, ``None`` where the protocol
+        carries none (GCP: the daemon's ``preempt_notice`` applies)."""
+        raise NotImplementedError
+
 
 def iso_z(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -161,6 +168,7 @@ class AwsImdsServer(MetadataServer):
     def __init__(self) -> None:
         super().__init__()
         self.tokens: dict[str, float] = {}  # token -> monotonic expiry
+        self.issued: list[str] = []  # every token handed out, in order (expired ones too)
         self.instance_action: dict[str, str] | None = None
         self.rebalance: dict[str, str] | None = None
 
@@ -169,6 +177,9 @@ class AwsImdsServer(MetadataServer):
         with self.lock:
             self.instance_action = {"action": action, "time": iso_z(at)}
         return float(int(at))
+
+    def reclaim(self, at: float | None = None) -> float:
+        return self.announce_reclaim("terminate", at)
 
     def recommend_rebalance(self, at: float | None = None) -> None:
         with self.lock:
@@ -192,6 +203,7 @@ class AwsImdsServer(MetadataServer):
                     return 400, b"Bad Request", {}
                 token = "AQAE" + uuid.uuid4().hex
                 self.tokens[token] = time.monotonic() + ttl
+                self.issued.append(token)
                 return 200, token.encode(), {"X-Aws-Ec2-Metadata-Token-Ttl-Seconds": str(ttl)}
             if rec.method != "GET":
                 return 405, b"", {}
@@ -231,6 +243,9 @@ class GcpMetadataServer(MetadataServer):
 
     def preempt(self) -> None:
         self.set("preempted", "TRUE")
+
+    def reclaim(self, at: float | None = None) -> None:
+        self.preempt()  # preemption says no time: the VM has about 30 s
 
     def respond(self, rec: Recorded) -> tuple[int, bytes, dict[str, str]]:
         flavor = {"Metadata-Flavor": "Google"} if self.send_flavor else {}
@@ -294,6 +309,11 @@ class AzureEventsServer(MetadataServer):
             self.incarnation += 1
         return eid
 
+    def reclaim(self, at: float | None = None) -> float:
+        nb = time.time() + 30 if at is None else at
+        self.schedule("Preempt", not_before=nb)
+        return float(int(nb))  # NotBefore is written to the second
+
     def respond(self, rec: Recorded) -> tuple[int, bytes, dict[str, str]]:
         if rec.headers.get("metadata") != "true":
             return 400, b'{"error": "Bad request. Required metadata header not specified"}', {}
@@ -320,6 +340,13 @@ class AzureEventsServer(MetadataServer):
                 doc = {"compute": {"name": self.vm_name, "azEnvironment": "AzurePublicCloud"}}
                 return 200, json.dumps(doc).encode(), {}
             return 404, b"Not Found", {}
+
+
+SERVERS: dict[str, type[MetadataServer]] = {
+    "aws": AwsImdsServer,
+    "gcp": GcpMetadataServer,
+    "azure": AzureEventsServer,
+}
 
 
 def dead_url() -> str:

@@ -1,0 +1,197 @@
+"""``ReclaimRuntime``: watchers, policy, logind and the migration board, running in one daemon.
+
+The daemon builds it from itself (as a ``NodeDaemon``, ``reclaim/node.py``, which
+``DaemonService`` satisfies as it is) and its typed config, calls ``start()``, holds it, and
+calls ``status``, ``migrations``, ``drill`` and, at stop, ``stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+from gpusnap.daemon import sdnotify
+from gpusnap.daemon.jobs.job import Job
+from gpusnap.daemon.reclaim.board import (
+    MigrationBoard,
+    MigrationClaim,
+    MigrationRequest,
+    StoreRecords,
+)
+from gpusnap.daemon.reclaim.config import MigrationConfig, TriggersConfig, WorkloadPolicy
+from gpusnap.daemon.reclaim.manager import TriggerManager
+from gpusnap.daemon.reclaim.node import NodeDaemon
+from gpusnap.daemon.reclaim.notice import Notice, drill_notice
+from gpusnap.daemon.reclaim.policy import PolicyEngine
+from gpusnap.daemon.reclaim.providers import build_watchers
+from gpusnap.daemon.reclaim.shutdown import (
+    LogindInhibitor,
+    StopTimeoutExtender,
+    sigterm_notice,
+    system_is_stopping,
+)
+from gpusnap.daemon.reclaim.standby import StandbyLoop
+from gpusnap.errors import FailedPrecondition, GpusnapError
+
+log = logging.getLogger(__name__)
+
+DRILL_DEFAULT_DEADLINE_S = 120.0
+STOP_RECLAIM_BUDGET_S = 120.0  # how long stop waits for a reclaim checkpoint
+
+
+class ReclaimRuntime:
+    """The daemon's handle on triggers, policy and migration.
+
+    ``policies``: one per configured workload; ``daemon_node_id``: ``[daemon] node_id``;
+    ``store_verifies``: ``[store] verify`` (a standby never adopts from a store it does not
+    authenticate). Nothing runs until ``start()``.
+    """
+
+    def __init__(
+        self,
+        node: NodeDaemon,
+        triggers: TriggersConfig,
+        migration: MigrationConfig,
+        policies: Iterable[WorkloadPolicy],
+        *,
+        daemon_node_id: str | None,
+        store_verifies: bool,
+    ) -> None:
+        self._node = node
+        self.tcfg = triggers
+        self.mcfg = migration
+        self._store_verifies = store_verifies
+        # [migration] node_id, else the daemon's own node_id, else the host name: two
+        # daemons on one host (or a renamed node) must not take each other for themselves.
+        self.node_id = migration.node_id or daemon_node_id or socket.gethostname()
+        self.engine = PolicyEngine(node, policies, on_committed=self._publish)
+        watchers, detail = build_watchers(triggers)
+        self.manager = TriggerManager(
+            watchers, self.engine.on_notice, max_backoff=triggers.max_backoff, detail=detail
+        )
+        self.inhibitor: LogindInhibitor | None = None
+        self.logind_error: str | None = None
+        self.standby: StandbyLoop | None = None
+        # Each look at the board finds the store again: ``Unavailable`` while it is not
+        # reachable (at start too), and the board there again once it is.
+        self.board = MigrationBoard(
+            StoreRecords(node.store.get), claim_timeout_s=migration.claim_timeout
+        )
+
+    def _publish(self, notice: Notice, job: Job) -> None:
+        cid = job.result.get("checkpoint_id")
+        if not isinstance(cid, str):
+            log.error(
+                "%s: committed job %s has no checkpoint id; not published", job.workload, job.id
+            )
+            return
+        summary: dict[str, Any] = {"trigger": notice.trigger, "notice": notice.detail}
+        try:
+            summary["stamp"] = self._node.store.get().manifest(cid).stamp
+        except GpusnapError as exc:
+            log.warning("%s: stamp not read for the migration request: %s", cid, exc)
+        self.board.publish(cid, job.workload, self.node_id, summary, deadline=notice.deadline)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the watchers, the periodic scheduler, logind's lock and (``standby = true``)
+        the standby loop."""
+        self.manager.start()
+        self.engine.start()
+        if self.tcfg.logind:
+            inhibitor = LogindInhibitor(self.manager.submit)
+            try:
+                inhibitor.start()
+                self.inhibitor = inhibitor
+            except GpusnapError as exc:
+                self.logind_error = str(exc)
+                log.info("logind shutdown lock not taken: %s", exc)
+        if self.mcfg.standby and not self._store_verifies:
+            # A standby acts on what the store says (restore, or cold-start a launch spec as
+            # root): never on records and manifests it cannot authenticate.
+            log.error(
+                "[migration] standby = true is ignored: [store] verify = false, and this node "
+                "does not adopt workloads from a store it does not authenticate"
+            )
+        elif self.mcfg.standby:
+            self.standby = StandbyLoop(
+                self.board,
+                self.node_id,
+                self._node.compat,
+                self._restore,
+                cold_start_after_s=self.mcfg.cold_start_after,
+                poll_interval_s=self.mcfg.poll_interval,
+            )
+            self.standby.start()
+            log.info("migration standby on as node %s", self.node_id)
+
+    def _restore(self, req: MigrationRequest, claim: MigrationClaim) -> Job:
+        job = self._node.restore(checkpoint_id=req.checkpoint_id)
+        return self._node.wait_job(job.id, self.mcfg.claim_timeout)
+
+    def stop(self) -> None:
+        """At daemon stop: if the node is going down, checkpoint first (kill mode)."""
+        if system_is_stopping():
+            self.manager.submit(sigterm_notice(STOP_RECLAIM_BUDGET_S))
+        if self.engine.reclaim_in_flight():
+            log.warning("stopping: waiting for reclaim checkpoints to commit")
+            StopTimeoutExtender(sdnotify.extend_timeout, self.engine.reclaim_in_flight).run(
+                STOP_RECLAIM_BUDGET_S
+            )
+        self.engine.stop()
+        self.manager.stop()
+        if self.standby is not None:
+            self.standby.stop()
+        if self.inhibitor is not None:
+            self.inhibitor.close()
+
+    # --- what the daemon shows ----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What ``gpusnap triggers`` shows (its ``--json`` keys)."""
+        out = self.manager.state_dict()
+        out.update(
+            {
+                "running": True,
+                "provider": self._provider(),
+                "node_id": self.node_id,
+                "workloads": self.engine.state(),
+                "logind": {
+                    "held": self.inhibitor.held if self.inhibitor else False,
+                    "delay_max_s": self.inhibitor.delay_max_s if self.inhibitor else None,
+                    "error": self.logind_error,
+                },
+                "standby": {
+                    "enabled": self.mcfg.standby,
+                    # Running once it has read the board: until the store first answers it
+                    # is not, and ``last_error`` says why.
+                    "running": self.standby is not None and self.standby.has_looked,
+                    "last_error": self.standby.last_error if self.standby else None,
+                },
+            }
+        )
+        return out
+
+    def _provider(self) -> str:
+        providers = {w.provider for w in self.manager.watchers}
+        return ",".join(sorted(providers)) or "none"
+
+    def migrations(self) -> list[dict[str, Any]]:
+        """Every migration on the board, as ``gpusnap migrations`` shows it."""
+        return [s.to_dict() for s in self.board.statuses()]
+
+    def drill(self, deadline_s: float | None) -> Job:
+        """Run the reclaim path as if a notice with ``deadline_s`` left had arrived; the
+        first reclaim job it started or attached to."""
+        notice = drill_notice(DRILL_DEFAULT_DEADLINE_S if deadline_s is None else deadline_s)
+        self.manager.submit(notice)
+        ids = self.engine.jobs_for(notice, timeout=30.0)
+        if not ids:
+            raise FailedPrecondition(
+                "drill started no checkpoint: no workload has on_notice = checkpoint, "
+                "or every one is already reclaimed"
+            )
+        return self._node.get_job(ids[0])

@@ -1,0 +1,118 @@
+"""The parts of one open store, built once and handed to push, pull, gc and verify.
+
+``StoreContext`` is frozen: the backend, the keys, the chunk codec and chunker, the local
+chunk index, the worker pools and the tunables of the lock protocol. Each operation
+(``push.py``, ``pull.py``, ``gc.py``, ``verify.py``, ``catalog.py``, ``records.py``) is a
+function whose first argument is the context and which uses only the parts it names: none
+calls back into ``CheckpointStore``, which only holds a context and delegates to them.
+
+``open_context`` builds one, in this order: keys and options (given), codec and chunker, the
+index, then the pools (last: nothing is left running when an earlier step fails). A later
+part that depends on what the store itself says -- a signed config object giving the store's
+id and its chunking parameters, read once at open (issue 12) -- is read right after the
+backend is given and before the index is opened, becomes a field here, and keys the index
+(``index.default_cache_dir``); the keys part grows the set of public keys a node trusts.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpusnap.storage.backend import Backend
+from gpusnap.storage.chunker import Chunker
+from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.index import ChunkIndex, default_cache_dir
+from gpusnap.storage.keys import StoreKeys
+
+# A lock not refreshed for this long belongs to a dead process.
+LOCK_STALE_SECONDS = 900.0
+LOCK_REFRESH_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Tunables of one open store (tests shorten them)."""
+
+    lock_stale_seconds: float = LOCK_STALE_SECONDS
+    lock_refresh_seconds: float = LOCK_REFRESH_SECONDS
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The store's worker pools, and the bytes its chunks in flight may hold at most.
+
+    ``cpu`` hashes, compresses and decodes (one thread per core: zstd, BLAKE3 and AES-GCM
+    release the GIL); ``io`` waits on puts and gets, so it is wider and never idles a core.
+    """
+
+    workers: int
+    io_workers: int
+    budget_bytes: int
+    cpu: ThreadPoolExecutor = field(repr=False)
+    io: ThreadPoolExecutor = field(repr=False)
+
+    @classmethod
+    def start(cls, workers: int, max_chunk: int) -> Pools:
+        io_workers = max(8, 2 * workers)
+        return cls(
+            workers=workers,
+            io_workers=io_workers,
+            # Bytes in flight (being hashed, compressed, or waiting on a put/get) at most.
+            budget_bytes=max(2 * workers, io_workers) * max_chunk,
+            cpu=ThreadPoolExecutor(workers, thread_name_prefix="gpusnap-store"),
+            io=ThreadPoolExecutor(io_workers, thread_name_prefix="gpusnap-io"),
+        )
+
+    def close(self) -> None:
+        self.cpu.shutdown(wait=True)
+        self.io.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class StoreContext:
+    """The parts of one open store; see the module docstring."""
+
+    backend: Backend
+    keys: StoreKeys
+    codec: ChunkCodec
+    chunker: Chunker
+    index: ChunkIndex
+    pools: Pools
+    options: StoreOptions = StoreOptions()
+
+    @property
+    def local(self) -> bool:
+        """Whether the store is on this machine's disks (its reads outrun its decodes)."""
+        return self.backend.url.startswith("file://")
+
+    def close(self) -> None:
+        self.pools.close()
+        self.index.close()
+        self.backend.close()
+
+
+def open_context(
+    backend: Backend,
+    keys: StoreKeys,
+    *,
+    cache_dir: Path | None = None,
+    workers: int | None = None,
+    chunker: Chunker | None = None,
+    options: StoreOptions | None = None,
+) -> StoreContext:
+    """The context of the store on ``backend``; the backend is the caller's to close on error."""
+    chunker = chunker or Chunker()
+    cache = cache_dir or default_cache_dir(backend.url)
+    index = ChunkIndex(cache / "index.sqlite", backend.url)
+    return StoreContext(
+        backend=backend,
+        keys=keys,
+        codec=ChunkCodec(keys.encryption),
+        chunker=chunker,
+        index=index,
+        pools=Pools.start(workers or (os.cpu_count() or 2), chunker.params.max_size),
+        options=options or StoreOptions(),
+    )

@@ -1,0 +1,296 @@
+"""The fake ``libcuda.so.1`` (C, in this directory) and the helpers tests drive it with.
+
+The library is loaded by the real cuda-bindings in the processes a test starts: put the
+build directory first on ``LD_LIBRARY_PATH`` and name a node in ``GPUSNAP_FAKE_CUDA_ROOT``
+(``env``). A node is a directory with ``node.json`` (``write_node``); every process started
+with one root sees the same GPUs and shares their memory, two roots are two nodes.
+
+- ``build(out_dir)``: ``make -C tests/fakes/libcuda OUT=out_dir``; returns ``out_dir``.
+- ``CudaProcess.start(...)``: a CUDA process (``target.py``) holding device memory with
+  known content; it answers commands through files, so CRIU can dump and restore it.
+- ``control(env, ops)``: run driver calls (``ctl.py``) in a fresh process, e.g. the
+  checkpoint calls on another pid, and get one result per call; ``free_memory`` and
+  ``checkpoint`` are the two sequences tests need most.
+
+The test process itself never loads the library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT_ENV = "GPUSNAP_FAKE_CUDA_ROOT"
+GIB = 2**30
+MIB = 2**20
+TIMEOUT = 120.0  # hang guard only, never a performance expectation
+
+
+def build(out_dir: Path) -> Path:
+    """Build ``out_dir/libcuda.so.1`` with the system compiler; raises if that fails."""
+    make = shutil.which("make")
+    if make is None or shutil.which(os.environ.get("CC", "cc")) is None:
+        raise FileNotFoundError(
+            "make and a C compiler are needed (scripts/bootstrap.sh installs them)"
+        )
+    subprocess.run(
+        [make, "-s", "-C", str(HERE), f"OUT={out_dir}"], check=True, capture_output=True, text=True
+    )
+    return out_dir
+
+
+def gpu(
+    index: int,
+    *,
+    uuid: str | None = None,
+    name: str = "NVIDIA H200",
+    total_memory: int = 141 * GIB,
+    compute_capability: tuple[int, int] = (9, 0),
+) -> dict[str, Any]:
+    """One ``gpus`` entry of node.json."""
+    return {
+        "uuid": uuid or f"GPU-{index:08x}-0000-4000-8000-{index:012x}",
+        "name": name,
+        "total_memory": total_memory,
+        "compute_capability": list(compute_capability),
+        "pci_bus_id": f"0000:{0x19 + index:02x}:00.0",
+    }
+
+
+# GPU UUIDs tests give the GPUs of a first node ("a", gpu(i)'s default) and of a second one.
+A0 = "GPU-00000000-0000-4000-8000-000000000000"
+B0, B1 = "GPU-b0b0b0b0-0000-4000-8000-00000000000b", "GPU-b1b1b1b1-0000-4000-8000-00000000000b"
+
+
+def write_node(
+    root: Path,
+    gpus: list[dict[str, Any]],
+    *,
+    driver_version: int = 13000,
+    driver_version_string: str = "580.95.05",
+    custom_storage: bool = False,
+    copy_gbps: float = 20.0,
+    **extra: Any,
+) -> Path:
+    """Create (or rewrite) the node directory ``root``; returns it."""
+    root.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "driver_version": driver_version,
+        "driver_version_string": driver_version_string,
+        "custom_storage": custom_storage,
+        "copy_gbps": copy_gbps,
+        "gpus": gpus,
+        **extra,
+    }
+    (root / "node.json").write_text(json.dumps(doc, indent=1))
+    return root
+
+
+def add_fault(
+    root: Path,
+    call: str,
+    *,
+    pid: int | None = None,
+    error: str | None = None,
+    hang_s: float = 0.0,
+    after: bool = False,
+    times: int = 1,
+) -> None:
+    """Make the next ``times`` calls of ``call`` on node ``root`` hang and/or fail.
+
+    A test knob of the fake, not driver behaviour (faults.c): ``after`` makes the call do its
+    work first, as a driver that acted and then never answered. Takes effect at once, also
+    in processes already running.
+    """
+    doc = json.loads((root / "node.json").read_text())
+    fault: dict[str, Any] = {"call": call, "hang_s": hang_s, "after": after, "times": times}
+    if pid is not None:
+        fault["pid"] = pid
+    if error is not None:
+        fault["error"] = error
+    doc.setdefault("faults", []).append(fault)
+    tmp = root / "node.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.rename(root / "node.json")
+
+
+def one_gpu_node(tmp_path: Path, **kw: Any) -> Path:
+    """``tmp_path/node-a``: one default H200 (UUID ``A0``)."""
+    return write_node(tmp_path / "node-a", [gpu(0)], **kw)
+
+
+def env(lib_dir: Path, root: Path | None, **extra: str) -> dict[str, str]:
+    """The environment of a process that loads the fake on node ``root``."""
+    out = dict(os.environ)
+    out["LD_LIBRARY_PATH"] = os.pathsep.join(
+        [str(lib_dir), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    )
+    out.pop(ROOT_ENV, None)
+    out.pop("CUDA_VISIBLE_DEVICES", None)
+    if root is not None:
+        out[ROOT_ENV] = str(root)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    out.update(extra)
+    return out
+
+
+def control(environ: dict[str, str], ops: list[list[Any]], timeout: float = TIMEOUT) -> list[Any]:
+    """Run ``ops`` through cuda.bindings in a new process; one result per op.
+
+    A result is ``{"ok": value, "seconds": s}`` or ``{"error": "CUDA_ERROR_..."}``.
+    """
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "ctl.py")],
+        check=False,
+        input=json.dumps(ops),
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"ctl.py failed ({proc.returncode}): {proc.stderr.strip()}")
+    results: list[Any] = json.loads(proc.stdout)
+    return results
+
+
+def ok(result: dict[str, Any]) -> Any:
+    """The value of a successful ``control`` result; AssertionError naming the error otherwise."""
+    assert "error" not in result, result
+    return result["ok"]
+
+
+def err(result: dict[str, Any]) -> str:
+    """The CUDA error of a failed ``control`` result."""
+    assert "error" in result, result
+    return str(result["error"])
+
+
+def free_memory(environ: dict[str, str], ordinal: int = 0) -> int:
+    """Free device memory of GPU ``ordinal`` as a new process on that node sees it."""
+    return int(ok(control(environ, [["init"], ["mem_info", ordinal]])[1])["free"])
+
+
+def checkpoint(environ: dict[str, str], pid: int) -> None:
+    """Lock and checkpoint ``pid`` from another process; it ends CHECKPOINTED."""
+    res = control(environ, [["lock", pid, 0], ["checkpoint", pid], ["state", pid]])
+    if res[2].get("ok") != "CHECKPOINTED":
+        raise RuntimeError(f"checkpoint of {pid} failed: {res}")
+
+
+def wait_for(ready: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+
+
+@dataclass
+class CudaProcess:
+    """A started ``target.py``: device memory with deterministic content, answering commands.
+
+    ``pid`` survives a CRIU restore (CRIU restores pids); ``proc`` is the original's Popen.
+    """
+
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    info: dict[str, Any]
+    _seq: int = 0
+    _reaped: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    def start(
+        cls,
+        workdir: Path,
+        environ: dict[str, str],
+        allocs: list[tuple[int, int]],
+        *,
+        seed: int = 1,
+        contexts: list[int] | None = None,
+    ) -> CudaProcess:
+        """Start a CUDA process holding ``allocs`` ([ordinal, bytes], ...) and wait for it.
+
+        ``contexts``: ordinals to retain primary contexts on (default: those of the allocs);
+        an empty list with no allocs makes a process that ran cuInit only.
+        """
+        workdir.mkdir(parents=True, exist_ok=True)
+        spec = {"allocs": allocs, "seed": seed, "contexts": contexts}
+        with (
+            open(os.devnull, "rb") as stdin,
+            open(workdir / "stdout", "ab") as out,
+            open(workdir / "stderr", "ab") as errf,
+        ):
+            proc = subprocess.Popen(
+                [sys.executable, str(HERE / "target.py"), str(workdir), json.dumps(spec)],
+                stdin=stdin,
+                stdout=out,
+                stderr=errf,
+                cwd=workdir,
+                env=environ,
+                start_new_session=True,  # no controlling terminal: CRIU needs no --shell-job
+                close_fds=True,
+            )
+        ready = workdir / "ready.json"
+        wait_for(lambda: ready.exists() or proc.poll() is not None, "the CUDA process to start")
+        if not ready.exists():
+            raise RuntimeError(
+                f"target.py exited {proc.returncode}: {(workdir / 'stderr').read_text()}"
+            )
+        return cls(proc, workdir, json.loads(ready.read_text()))
+
+    def begin(self, *command: Any) -> Path:
+        """Send a command; returns the path its result will appear at."""
+        self._seq += 1
+        tmp = self.workdir / f"cmd-{self._seq}.tmp"
+        tmp.write_text(json.dumps(list(command)))
+        tmp.rename(self.workdir / f"cmd-{self._seq}.json")
+        return self.workdir / f"res-{self._seq}.json"
+
+    def result(self, path: Path, timeout: float = TIMEOUT) -> Any:
+        wait_for(path.exists, f"the CUDA process to answer {path.name}", timeout)
+        res = json.loads(path.read_text())
+        if "error" in res:
+            raise RuntimeError(f"{self.workdir}: {res['error']}")
+        return res["ok"]
+
+    def command(self, *command: Any, timeout: float = TIMEOUT) -> Any:
+        return self.result(self.begin(*command), timeout)
+
+    def threads(self) -> dict[int, str]:
+        """tid -> comm of every thread now."""
+        found = {}
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found[int(task.name)] = (task / "comm").read_text().strip()
+        return found
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        if not self._reaped:
+            with contextlib.suppress(ChildProcessError):
+                self.proc.wait(TIMEOUT)
+            self._reaped = True
+
+    def reaped(self) -> None:
+        """The original was reaped elsewhere (e.g. CRIU killed it and we waited)."""
+        self._reaped = True
+
+
+Spawn = Callable[..., CudaProcess]  # the ``spawn`` fixture: (workdir, env, allocs, **kw)
