@@ -4,24 +4,30 @@ Every section and key is listed here; an unknown key or a bad value is an ``Inva
 whose one-line message names the key (and suggests the closest known one), and the daemon
 refuses to start with it. ``docs/config.md`` documents the same keys.
 
-The ``[triggers]`` and ``[migration]`` sections belong to the trigger and migration code; when
-that code offers ``parse_triggers`` / ``parse_migration`` they are parsed by it,
-otherwise they are kept as raw tables.
+The ``[triggers]`` and ``[migration]`` tables and each workload's trigger policy keys belong to
+reclaim: ``gpusnap.daemon.reclaim.config`` parses them into its typed, frozen tables.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusnap.daemon.config_table import Table
-from gpusnap.daemon.reclaim.config import POLICY_KEYS, parse_workload_policy
+from gpusnap.daemon.reclaim.config import (
+    POLICY_KEYS,
+    MigrationConfig,
+    TriggersConfig,
+    WorkloadPolicy,
+    parse_migration,
+    parse_triggers,
+    parse_workload_policy,
+)
 from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage.backend import BackendOptions, registered_schemes
 from gpusnap.storage.keys import load_encryption_key, load_signing_key
@@ -107,9 +113,9 @@ class WorkloadConfig:
     engine_probed: bool = False  # engine = "probed": read from the process at checkpoint time
     model: ModelSpec | None = None
     start: StartSpec | None = None
-    # Trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), checked
-    # and interpreted by gpusnap.daemon.reclaim.config.
-    policy: Mapping[str, Any] = field(default_factory=dict)
+    # The trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), as
+    # gpusnap.daemon.reclaim.config reads them; None: the defaults.
+    policy: WorkloadPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -132,8 +138,8 @@ class Config:
     workloads: tuple[WorkloadConfig, ...]
     gpu: GpuSection
     metrics: MetricsSection
-    triggers: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
-    migration: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
+    triggers: TriggersConfig
+    migration: MigrationConfig
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     def workload(self, name: str) -> WorkloadConfig | None:
@@ -188,12 +194,8 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
     workloads = _parse_workloads(top.array_of_tables("workload"))
     gpu = _parse_gpu(top.table("gpu"))
     metrics = _parse_metrics(top.table("metrics"))
-    triggers = _parse_plugged(
-        top.raw_table("triggers"), "gpusnap.daemon.reclaim.config", "parse_triggers"
-    )
-    migration = _parse_plugged(
-        top.raw_table("migration"), "gpusnap.daemon.reclaim.config", "parse_migration"
-    )
+    triggers = parse_triggers(top.raw_table("triggers"))
+    migration = parse_migration(top.raw_table("migration"))
     top.done()
     _check_store_keys(store)
     return Config(
@@ -383,9 +385,8 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 user=st.string("user"),
             )
             st.done()
-        policy = {k: t.get(k) for k in _POLICY_KEYS if t.data.get(k) is not None}
-        if policy:
-            parse_workload_policy(name, policy)  # the trigger code owns these keys (issue 5)
+        policy_keys = {k: t.get(k) for k in _POLICY_KEYS if t.data.get(k) is not None}
+        policy = parse_workload_policy(name, policy_keys) if policy_keys else None
         out.append(
             WorkloadConfig(
                 name=name,
@@ -418,18 +419,6 @@ def _parse_metrics(t: Table) -> MetricsSection:
     section = MetricsSection(listen=t.host_port("listen"))
     t.done()
     return section
-
-
-def _parse_plugged(raw: dict[str, Any], module: str, func: str) -> Any:
-    """Hand a section to its owner's parser when that code exists; keep it raw otherwise."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return raw
-    parser: Callable[[dict[str, Any]], Any] | None = getattr(mod, func, None)
-    if parser is None:
-        return raw
-    return parser(raw)
 
 
 def _or(value: _T | None, default: _T) -> _T:

@@ -12,7 +12,8 @@ a kill-mode dump) can only fail or capture the same state again. A caller that w
 (e.g. a reclaim notice arriving during a periodic checkpoint) can look at
 ``active_checkpoint(workload)`` and watch that job instead.
 
-Triggers and migration plug in through ``attach_triggers`` and ``on_shutdown``.
+Reclaim (triggers, policy, migration: ``daemon/reclaim/``) attaches its ``ReclaimRuntime``
+through ``attach_reclaim``; the service is the ``NodeDaemon`` it drives.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from gpusnap.daemon import status as status_report
 from gpusnap.daemon.checkpoint import CheckpointPlan, run_checkpoint
@@ -35,6 +36,7 @@ from gpusnap.daemon.jobs.job import Job, JobKind
 from gpusnap.daemon.jobs.journal import Journal
 from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import HostFacts, Node, StoreHandle
+from gpusnap.daemon.reclaim.runtime import ReclaimRuntime
 from gpusnap.daemon.restore import RestorePlan, run_restore
 from gpusnap.daemon.statedir import StateDirLock, StateDirs
 from gpusnap.daemon.verdict import CompatVerdict
@@ -42,18 +44,6 @@ from gpusnap.errors import GpusnapError, InvalidArgument, NotFound, Unsupported
 from gpusnap.storage.manifest import check_checkpoint_id, check_workload
 
 log = logging.getLogger(__name__)
-
-
-class TriggerHooks(Protocol):
-    """What the trigger and migration runtime attached by ``main`` answers for the service."""
-
-    def stop(self) -> None: ...
-
-    def status(self) -> dict[str, Any]: ...
-
-    def migrations(self) -> list[dict[str, Any]]: ...
-
-    def drill(self, deadline_s: float | None) -> Job: ...
 
 
 class DaemonService:
@@ -106,7 +96,7 @@ class DaemonService:
             reaper=reaper,
         )
         self.on_shutdown: list[Callable[[], None]] = []
-        self.triggers: TriggerHooks | None = None
+        self.reclaim: ReclaimRuntime | None = None
         if open_store_now:
             try:
                 self.store.get()
@@ -250,27 +240,27 @@ class DaemonService:
             started_at=self.started_at,
             jobs_running=self.executor.running(),
             interrupted_at_start=[j.id for j in self.interrupted],
-            triggers=self.triggers is not None,
+            triggers=self.reclaim is not None,
         )
         return status_report.daemon_status(self.node, daemon)
 
-    # --- triggers and migration ---------------------------------------------------------------
+    # --- reclaim ---------------------------------------------------------------------------
 
-    def attach_triggers(self, manager: TriggerHooks) -> None:
-        self.triggers = manager
+    def attach_reclaim(self, runtime: ReclaimRuntime) -> None:
+        self.reclaim = runtime
 
     def triggers_status(self) -> dict[str, Any]:
-        if self.triggers is None:
+        if self.reclaim is None:
             return {"provider": "none", "running": False}
-        return self.triggers.status()
+        return self.reclaim.status()
 
     def migrations(self) -> list[dict[str, Any]]:
-        return [] if self.triggers is None else self.triggers.migrations()
+        return [] if self.reclaim is None else self.reclaim.migrations()
 
     def drill(self, deadline_s: float | None) -> Job:
-        if self.triggers is None:
+        if self.reclaim is None:
             raise Unsupported("reclaim drills need the trigger manager, which is not running")
-        return self.triggers.drill(deadline_s)
+        return self.reclaim.drill(deadline_s)
 
     # --- shutdown -------------------------------------------------------------------------------
 
@@ -281,9 +271,9 @@ class DaemonService:
                 hook()
             except Exception:
                 log.exception("shutdown hook %r failed", hook)
-        if self.triggers is not None:
+        if self.reclaim is not None:
             try:
-                self.triggers.stop()
+                self.reclaim.stop()
             except Exception:
                 log.exception("stopping the trigger manager failed")
         if not self.executor.shutdown(timeout=timeout):

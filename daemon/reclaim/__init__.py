@@ -14,5 +14,6 @@ checkpoints find a new node through the store.
 
 May import ``gpusnap.errors``, ``gpusnap.storage``, ``gpusnap.daemon.jobs.job`` (jobs),
 ``gpusnap.daemon.verdict`` (verdicts) and ``gpusnap.daemon.sdnotify``; never the service,
-the gRPC layer, the daemon's config or the CLI: the daemon hands itself over as a ``NodeDaemon`` and its config as the typed tables here.
+the gRPC layer, the daemon's config or the CLI: the daemon hands itself over as a
+``NodeDaemon`` and its config as the typed tables here.
 """
