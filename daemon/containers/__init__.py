@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpusnap.daemon.containers.compat import container_reasons
+from gpusnap.daemon.containers.containerd import ContainerdRuntime
 from gpusnap.daemon.containers.model import (
     PART_CONFIG,
     PART_CRIU,
@@ -37,7 +38,7 @@ from gpusnap.daemon.containers.runc import RuncRuntime
 from gpusnap.daemon.containers.runtime import ContainerRuntime
 from gpusnap.errors import InvalidArgument, NotFound, Unsupported
 
-RUNTIMES = ("podman", "runc")
+RUNTIMES = ("podman", "runc", "containerd")
 
 
 def open_runtime(name: str, **options: Any) -> ContainerRuntime:
@@ -47,6 +48,8 @@ def open_runtime(name: str, **options: Any) -> ContainerRuntime:
         return PodmanRuntime(**options)
     if name == "runc":
         return RuncRuntime(**options)
+    if name == "containerd":
+        return ContainerdRuntime(**options)
     raise InvalidArgument(f"unknown container runtime {name!r}; one of {', '.join(RUNTIMES)}")
 
 
@@ -80,6 +83,7 @@ __all__ = [
     "ContainerInfo",
     "ContainerRuntime",
     "ContainerSpec",
+    "ContainerdRuntime",
     "Device",
     "Mount",
     "PodmanRuntime",
