@@ -51,6 +51,8 @@ def _node(images: Path, name: str) -> Iterator[RuncRuntime]:
         proc = rt.tool.run(["list", "--quiet"], what="list", check=False)
         for ref in proc.stdout.split():
             rt.remove(ref)
+        for rootfs in (d / "bundles").glob("*/rootfs"):  # bundles whose container never ran
+            subprocess.run(["umount", str(rootfs)], capture_output=True, check=False)
         shutil.rmtree(d, ignore_errors=True)
 
 
