@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.criu import Criu, parse_stats
+from gpusnap.daemon.host.criu import Criu, parse_stats
 from gpusnap.storage import generate_signing_key
 
 ROOT = Path(__file__).resolve().parent.parent

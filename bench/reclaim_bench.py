@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpusnap.daemon.criu import Criu  # noqa: E402
+from gpusnap.daemon.host.criu import Criu  # noqa: E402
 from gpusnap.storage import generate_signing_key  # noqa: E402
 from tests.support.metadata_servers import AwsImdsServer  # noqa: E402
 from tests.support.moto_server import MotoServer, aws_test_credentials  # noqa: E402

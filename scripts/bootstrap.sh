@@ -29,6 +29,7 @@ if ((${#need_apt[@]})); then
 fi
 
 bash scripts/install-criu.sh
+bash scripts/install-containers.sh
 
 py=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpusnap.daemon.model import Job, JobState
+from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.reclaim.config import WorkloadPolicy
 from gpusnap.daemon.reclaim.node import NodeDaemon
 from gpusnap.daemon.reclaim.notice import Notice

@@ -25,16 +25,9 @@ import pytest
 
 from gpusnap.daemon.api import DaemonServiceAPI, start_server, stop_server
 from gpusnap.daemon.config import parse_config
-from gpusnap.daemon.model import (
-    CompatVerdict,
-    Job,
-    JobKind,
-    JobState,
-    Phase,
-    Progress,
-    Reason,
-)
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, Progress
 from gpusnap.daemon.service import DaemonService
+from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import KINDS, NotFound
 from gpusnap.storage import generate_signing_key
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.cli._client import DaemonClient
-from gpusnap.daemon.model import Job, JobKind, JobState, Phase
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.wire import job_from_pb, job_to_pb
 from tests.api.conftest import INCOMPATIBLE_ID, T0, FakeService

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.jobs import JobContext, JobExecutor
-from gpusnap.daemon.journal import INTERRUPTED_MESSAGE, Journal
-from gpusnap.daemon.model import Job, JobKind, JobState, Phase
+from gpusnap.daemon.jobs.executor import JobContext, JobExecutor
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase
+from gpusnap.daemon.jobs.journal import INTERRUPTED_MESSAGE, Journal
 from gpusnap.errors import FailedPrecondition, NotFound, Unavailable
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import criu as criu_mod
-from gpusnap.daemon.criu import can_punch_holes
+from gpusnap.daemon.host import criu as criu_mod
+from gpusnap.daemon.host.criu import can_punch_holes
 
 
 def test_local_disk_and_tmpfs_can_punch_holes(tmp_path: Path) -> None:

@@ -18,17 +18,24 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
-from gpusnap.daemon.criu import Criu
+from gpusnap.daemon.host.criu import Criu
 from gpusnap.errors import Unsupported
 from gpusnap.storage import generate_signing_key
 from tests.support import workloads
 
 BIN = Path(sys.executable).parent
 HANG_GUARD = 120.0  # seconds; against hangs only
+
+
+def gpusnapd(*args: str) -> subprocess.CompletedProcess[str]:
+    """``gpusnapd ARGS`` in the foreground, to its exit: a start that must fail, a check."""
+    return subprocess.run(
+        [str(BIN / "gpusnapd"), *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def criu_or_skip() -> None:
@@ -138,6 +145,13 @@ driver = "none"
         )
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
+    def job(self, job_id: str) -> dict[str, Any]:
+        """``gpusnap job ID --json``, which must succeed."""
+        got = self.cli("job", job_id, "--json")
+        assert got.rc == 0, got.stderr
+        job: dict[str, Any] = got.json
+        return job
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-4000:]
@@ -191,23 +205,26 @@ class Nodes:
                 node.stop()
             node.kill()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[Nodes]:
     criu_or_skip()
-    n = Nodes(tmp_path)
-    yield n
-    n.close()
+    with Nodes(tmp_path) as n:
+        yield n
 
 
 @pytest.fixture
-def started() -> Iterator[list[workloads.Workload]]:
+def started() -> Iterator[workloads.Started]:
     """Workloads a test starts; whatever still runs at the end is killed and reaped."""
-    items: list[workloads.Workload] = []
-    yield items
-    for w in items:
-        with contextlib.suppress(Exception):
-            w.kill()
+    s = workloads.Started()
+    yield s
+    s.kill_all()
 
 
 def restored_cleanup(pids: list[int]) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import Nodes
 from tests.support import workloads
-from tests.support.workloads import Workload
+from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,13 +34,11 @@ start = {{ command = {json.dumps(start)}, cwd = "/" }}
 
 
 def test_checkpoint_and_restore_of_a_process_tree_continues_bit_exactly(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     node = nodes.make("a").start()
     reference = workloads.reference_output("tree", tmp_path / "ref", steps=STEPS)
-    w = workloads.start_tree(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(10)
+    w = started(workloads.start_tree(tmp_path / "run", steps=STEPS), steps=10)
     tree = proctree.tree_pids(w.pid)
     assert len(tree) == 2
 
@@ -76,12 +74,10 @@ def test_checkpoint_and_restore_of_a_process_tree_continues_bit_exactly(
 
 
 def test_leave_running_checkpoint_keeps_the_workload_running_and_restores(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     node = nodes.make("a").start()
-    w = workloads.start_counter(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(10)
+    w = started(workloads.start_counter(tmp_path / "run", steps=STEPS), steps=10)
 
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--leave-running", "--wait", "--json")
     assert ck.rc == 0, ck.stderr
@@ -99,14 +95,12 @@ def test_leave_running_checkpoint_keeps_the_workload_running_and_restores(
 
 
 def test_restore_on_another_node_over_the_same_store(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     a = nodes.make("a").start()
     b = nodes.make("b").start()
     reference = workloads.reference_output("tree", tmp_path / "ref", steps=STEPS)
-    w = workloads.start_tree(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(10)
+    w = started(workloads.start_tree(tmp_path / "run", steps=STEPS), steps=10)
     ck = a.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
     assert ck.rc == 0, ck.stderr
     w.reap()
@@ -125,14 +119,13 @@ def test_restore_on_another_node_over_the_same_store(
 
 
 def test_cold_start_with_every_reason_when_the_model_revision_differs(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     pid_file = tmp_path / "counter.pid"
     marker = tmp_path / "cold-started"
     a = nodes.make("a", extra_config=_workload_config("ctr", pid_file, "r1", marker)).start()
     b = nodes.make("b", extra_config=_workload_config("ctr", pid_file, "r2", marker)).start()
-    w = workloads.start_counter(tmp_path / "run", steps=STEPS)
-    started.append(w)
+    w = started(workloads.start_counter(tmp_path / "run", steps=STEPS))
     pid_file.write_text(f"{w.pid}\n")
     w.wait_steps(5)
 
@@ -161,12 +154,10 @@ def test_cold_start_with_every_reason_when_the_model_revision_differs(
 
 
 def test_restore_is_refused_for_an_altered_manifest(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     node = nodes.make("a").start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--leave-running", "--wait", "--json")
     assert ck.rc == 0, ck.stderr
     cid = ck.json["checkpoint_id"]
@@ -184,7 +175,7 @@ def test_restore_is_refused_for_an_altered_manifest(
 
 
 def test_an_unreachable_store_fails_the_job_and_leaves_the_workload_alone(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -202,9 +193,7 @@ def test_an_unreachable_store_fails_the_job_and_leaves_the_workload_alone(
         )
     )
     node.start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
 
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
     assert ck.rc == 1, ck.stderr

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpusnap.cli._client import DaemonClient
-from gpusnap.daemon import proctree
-from tests.e2e.conftest import BIN, Node, Nodes
+from gpusnap.daemon.host import proctree
+from tests.e2e.conftest import Nodes, gpusnapd
 from tests.support import workloads
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -36,13 +36,6 @@ def holder(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     yield proc
     proc.kill()
     proc.wait()
-
-
-def _job(node: Node, job_id: str) -> dict[str, object]:
-    res = node.cli("job", job_id, "--json")
-    assert res.rc == 0, res.stderr
-    data: dict[str, object] = res.json
-    return data
 
 
 def test_daemon_killed_mid_upload_comes_back_with_the_job_interrupted_and_nothing_half_committed(
@@ -70,7 +63,7 @@ def test_daemon_killed_mid_upload_comes_back_with_the_job_interrupted_and_nothin
     assert staged, "the killed daemon left its staging behind (that is what recovery cleans)"
 
     node.start()
-    job = _job(node, job_id)
+    job = node.job(job_id)
     assert job["state"] == "interrupted"
     assert job["error"] == "daemon restarted during the job"
     assert not list((node.state_dir / "staging").iterdir())
@@ -88,13 +81,7 @@ def test_a_config_error_refuses_to_start_with_one_line_and_exit_2(tmp_path: Path
         '[daemon]\nstate_dir = "/tmp/x"\n[[workload]]\nname = "a"\n'
         '[[workload]]\nname = "llm"\npidfile = "/run/llm.pid"\n'
     )
-    proc = subprocess.run(
-        [str(BIN / "gpusnapd"), "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = gpusnapd("--config", str(cfg))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == [
@@ -104,12 +91,6 @@ def test_a_config_error_refuses_to_start_with_one_line_and_exit_2(tmp_path: Path
 
 
 def test_a_missing_config_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [str(BIN / "gpusnapd"), "--config", str(tmp_path / "nope.toml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = gpusnapd("--config", str(tmp_path / "nope.toml"))
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"gpusnapd: error: config: {tmp_path / 'nope.toml'}: no such file"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import criu_or_skip, restored_cleanup
 from tests.e2e_gpu.conftest import GpuNodes
 from tests.fakes.fake_cuda import GIB, default_devices

@@ -45,6 +45,5 @@ class GpuNodes(Nodes):
 @pytest.fixture
 def gpu_nodes(tmp_path: Path) -> Iterator[GpuNodes]:
     criu_or_skip()
-    n = GpuNodes(tmp_path)
-    yield n
-    n.close()
+    with GpuNodes(tmp_path) as n:
+        yield n

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.criu import Criu
+from gpusnap.daemon.host.criu import Criu
 from gpusnap.errors import Unsupported
 from tests.fakes import libcuda
 from tests.fakes.libcuda import CudaProcess, Spawn

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.criu import Criu
+from gpusnap.daemon.host.criu import Criu
 from tests.fakes import libcuda
 from tests.fakes.libcuda import (
     A0,

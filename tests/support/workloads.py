@@ -225,6 +225,29 @@ class Workload:
         return (self.workdir / "stderr").read_text(errors="replace")
 
 
+class Started:
+    """The workloads a test started (a fixture's value): ``started(w, steps=n)`` keeps ``w``
+    and waits for its first ``n`` steps; ``kill_all`` kills and reaps whatever still runs."""
+
+    def __init__(self) -> None:
+        self._items: list[Workload] = []
+
+    def __call__(self, w: Workload, *, steps: int = 0) -> Workload:
+        self._items.append(w)
+        if steps:
+            w.wait_steps(steps)
+        return w
+
+    @property
+    def workloads(self) -> list[Workload]:
+        return list(self._items)
+
+    def kill_all(self) -> None:
+        for w in self._items:
+            with contextlib.suppress(Exception):
+                w.kill()
+
+
 def start_counter(
     workdir: Path, *, steps: int = 0, interval: float = 0.05, python: str = sys.executable
 ) -> Workload:

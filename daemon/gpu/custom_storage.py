@@ -1,27 +1,59 @@
-"""Custom storage: device memory copied by the daemon, straight between the GPU and the store.
+"""Custom storage: device memory copied by the daemon itself, between the GPU and a sink/source.
 
 With a driver that offers custom storage (CUDA 13.4 API), ``cuCheckpointProcessCheckpoint``
 maps the target's device memory into the GPU worker instead of staging it in the target's
 host memory. The worker copies it, a batch of ranges at a time, into one half of a shared
-ring of pinned host buffers (``ring.HostRing``) on several streams, while the daemon feeds the
-other half to the store's chunk pipeline as a ``StreamSource``. A restore runs the same ring
-the other way: chunks read from the store fill one half while the worker copies the other
-into the mapped memory. Every worker call has the worker's deadline.
+ring of pinned host buffers (``ring.HostRing``) on several streams, while the daemon hands the
+other half to a ``MemorySink``. A restore runs the same ring the other way: pieces read from a
+``MemorySource`` fill one half while the worker copies the other into the mapped memory. Every
+worker call has the worker's deadline.
+
+Where the bytes go is not this package's business: the checkpoint and restore bodies build the
+sink and the source from the store (``daemon/gpu_memory.py``), so the GPU layer never imports
+the store.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.gpu.worker import GpuWorker, PendingCall
-from gpusnap.errors import Corrupt
+from gpusnap.errors import Corrupt, FailedPrecondition, GpusnapError
 
 log = logging.getLogger(__name__)
 
 Copy = list[int]  # [ring offset, device offset, bytes]
+Piece = bytes | memoryview
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One process's mapped memory on one GPU, as the copy yields it: ``size`` bytes, given in
+    order by ``buffers``; each buffer is valid only until the next is asked for."""
+
+    path: str  # its entry among the checkpoint's files (``memory_path``)
+    size: int
+    buffers: Iterable[memoryview]
+
+
+# Takes every device's memory of one process and returns only once all of it is stored (the
+# driver may drop it then); raises a ``GpusnapError`` when it cannot, and the copy is abandoned.
+MemorySink = Callable[[Sequence[DeviceMemory]], None]
+# The stored bytes of one entry (a ``DeviceMemory.path``), as ``(offset, bytes)`` in order.
+MemorySource = Callable[[str], Iterable[tuple[int, Piece]]]
+
+
+@dataclass(frozen=True)
+class CustomStorage:
+    """Where a freeze's device memory goes (``sink``) and where a thaw or a roll-back of that
+    freeze finds it again (``source``: the driver keeps no copy of its own)."""
+
+    sink: MemorySink
+    source: MemorySource
 
 
 def memory_path(pid: int, position: int, uuid: str) -> str:
@@ -92,7 +124,7 @@ def fill_device(
     handle: int,
     device: int,
     size: int,
-    chunks: Iterable[tuple[int, bytes | memoryview]],
+    chunks: Iterable[tuple[int, Piece]],
 ) -> None:
     """Fill the mapped memory of ``device`` from ``(offset, bytes)`` pieces given in order."""
     pending: PendingCall | None = None
@@ -153,3 +185,75 @@ def fill_device(
 
 def describe(info: dict[str, Any]) -> str:
     return ", ".join(f"{d.get('uuid')}: {d.get('size')} bytes" for d in info.get("devices", []))
+
+
+def checkpoint_process(
+    worker: GpuWorker, ring: HostRing, pid: int, sink: MemorySink
+) -> list[dict[str, Any]]:
+    """Map ``pid``'s device memory, copy it into ``sink``, complete; its ``memory_files``."""
+    worker.call("ring_attach", ring.name, ring.size)
+    info = dict(worker.call("checkpoint_custom_storage", pid))
+    handle = int(info["handle"])
+    log.info("copying GPU memory of process %d (%s)", pid, describe(info))
+    memory: list[DeviceMemory] = []
+    files: list[dict[str, Any]] = []
+    for position, dev in enumerate(info["devices"]):
+        size = int(dev["size"])
+        path = memory_path(pid, position, str(dev["uuid"]))
+        memory.append(DeviceMemory(path, size, read_device(worker, ring, handle, position, size)))
+        files.append(
+            {"pid": pid, "position": position, "uuid": dev["uuid"], "path": path, "size": size}
+        )
+    try:
+        sink(memory)
+    except GpusnapError:
+        # Completing now would let the driver drop memory that is not safely stored: kill the
+        # worker instead, which drops its mappings (the driver is assumed to abandon the
+        # operation; unverified on hardware).
+        worker.kill()
+        raise
+    worker.call("operation_complete", handle)
+    return files
+
+
+def restore_process(
+    worker: GpuWorker,
+    ring: HostRing,
+    pid: int,
+    *,
+    files: dict[tuple[int, str], dict[str, Any]],
+    pairs: list[list[str]] | None,
+    source: MemorySource,
+) -> None:
+    """Restore ``pid`` with its memory mapped here, fill each device from ``source``, complete.
+
+    ``files``: the checkpoint's ``memory_files`` by (pid, this node's GPU UUID).
+    """
+    info = dict(worker.call("restore_custom_storage", pid, pairs))
+    handle = int(info["handle"])
+    try:
+        for position, dev in enumerate(info["devices"]):
+            found = files.get((pid, str(dev["uuid"])))
+            if found is None:
+                raise FailedPrecondition(
+                    f"the checkpoint holds no GPU memory of process {pid} for GPU {dev['uuid']}"
+                )
+            if int(found["size"]) != int(dev["size"]):
+                raise FailedPrecondition(
+                    f"GPU {dev['uuid']} maps {dev['size']} bytes for process {pid}, the "
+                    f"checkpoint holds {found['size']}"
+                )
+            fill_device(
+                worker,
+                ring,
+                handle=handle,
+                device=position,
+                size=int(dev["size"]),
+                chunks=source(str(found["path"])),
+            )
+    except GpusnapError:
+        # Never complete a restore whose memory is not all there: drop the mappings (the
+        # driver is assumed to abandon the operation; unverified on hardware).
+        worker.kill()
+        raise
+    worker.call("operation_complete", handle)

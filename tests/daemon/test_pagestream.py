@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.dumpstream import PageImageFollower
+from gpusnap.daemon.host.pagestream import PageStreamer
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.streams import stream_kinds
 from tests.storage.store_helpers import MiB, bf16_like, file_store, make_keys, random_bytes
@@ -52,12 +52,12 @@ def image_files() -> dict[str, bytes]:
 
 
 def checkpoint(store: CheckpointStore, images: Path) -> tuple[str, set[str]]:
-    follower = PageImageFollower(store, images, compress=None)
-    follower.start()
+    streamer = PageStreamer(store, images, compress=None)
+    streamer.start()
     writer = threading.Thread(target=dump_like, args=(images, image_files()), daemon=True)
     writer.start()
     writer.join()
-    uploaded = follower.finish()
+    uploaded = streamer.finish()
     assert uploaded is not None
     pushed = store.push(images, workload="w", uploaded_streams=uploaded)
     return pushed.checkpoint_id, set(uploaded.of_files)
@@ -86,18 +86,18 @@ def test_a_page_image_that_grew_after_it_was_streamed_is_read_again(
     images = tmp_path / "images"
     images.mkdir()
     files = image_files()
-    follower = PageImageFollower(store, images, compress=None)
-    follower.start()
+    streamer = PageStreamer(store, images, compress=None)
+    streamer.start()
     first = files["pages-1.img"]
     (images / "pages-1.img").write_bytes(first[: len(first) // 2])
     (images / "pages-2.img").write_bytes(files["pages-2.img"])
-    # Wait until the follower has taken pages-1 as complete (the next image exists).
-    while "pages-1.img" not in follower._result.of_files:
+    # Wait until the streamer has taken pages-1 as complete (the next image exists).
+    while "pages-1.img" not in streamer._result.of_files:
         time.sleep(0.01)
     with open(images / "pages-1.img", "ab") as f:
         f.write(first[len(first) // 2 :])
     (images / "pages-10.img").write_bytes(files["pages-10.img"])
-    uploaded = follower.finish()
+    uploaded = streamer.finish()
     assert uploaded is not None and "pages-1.img" in uploaded.of_files
     pushed = store.push(images, workload="w", uploaded_streams=uploaded)
     manifest = store.manifest(pushed.checkpoint_id)
@@ -108,30 +108,30 @@ def test_a_page_image_that_grew_after_it_was_streamed_is_read_again(
         assert (out / name).read_bytes() == data, name
 
 
-def test_abort_stops_following_and_commits_nothing(store: CheckpointStore, tmp_path: Path) -> None:
+def test_abort_stops_streaming_and_commits_nothing(store: CheckpointStore, tmp_path: Path) -> None:
     images = tmp_path / "images"
     images.mkdir()
     (images / "pages-1.img").write_bytes(random_bytes(1 * MiB, 7))  # and never finished
-    follower = PageImageFollower(store, images, compress=None)
-    follower.start()
+    streamer = PageStreamer(store, images, compress=None)
+    streamer.start()
     time.sleep(0.2)
-    follower.abort()  # returns once the follower thread has ended (a hang fails by timeout)
+    streamer.abort()  # returns once the streamer thread has ended (a hang fails by timeout)
     assert store.list() == []
     assert not any(t.name == "gpusnap-dumpstream" for t in threading.enumerate())
 
 
-def test_nothing_to_follow(store: CheckpointStore, tmp_path: Path) -> None:
-    follower = PageImageFollower(store, tmp_path / "never-created", compress=None)
-    follower.start()
-    uploaded = follower.finish()
+def test_no_page_images_streams_nothing(store: CheckpointStore, tmp_path: Path) -> None:
+    streamer = PageStreamer(store, tmp_path / "never-created", compress=None)
+    streamer.start()
+    uploaded = streamer.finish()
     assert uploaded is not None and uploaded.entries == [] and uploaded.of_files == set()
     assert not (tmp_path / "never-created").exists()
 
 
 def test_abort_before_start_is_harmless(store: CheckpointStore, tmp_path: Path) -> None:
     (tmp_path / "pages-1.img").write_bytes(random_bytes(1 * MiB, 9))
-    follower = PageImageFollower(store, tmp_path, compress=None)
-    follower.abort()  # e.g. the job failed before CRIU was started
-    uploaded = follower.finish()
+    streamer = PageStreamer(store, tmp_path, compress=None)
+    streamer.abort()  # e.g. the job failed before CRIU was started
+    uploaded = streamer.finish()
     assert uploaded is not None and uploaded.entries == [] and uploaded.of_files == set()
     assert store.list() == []

@@ -1,4 +1,5 @@
-"""Value types shared by the daemon's service layer, its gRPC servicer and its journal.
+"""A job: what one checkpoint or restore request became, as the executor, the journal and the
+API see it (kind, state, phase, progress, result).
 
 The service decides; the servicer translates these to and from protobuf messages. Keep this
 module free of I/O.
@@ -7,8 +8,18 @@ module free of I/O.
 from __future__ import annotations
 
 import enum
+import re
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+# What ``new_job_id`` makes: the time it was made (UTC) and six hex digits.
+JOB_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")
+
+
+def new_job_id() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 class JobKind(enum.StrEnum):
@@ -71,23 +82,3 @@ class Job:
     #               chunks_total, chunks_uploaded, committed_before_deadline
     #   restore:    checkpoint_id, mode ("restored" | "cold-start"), pids, reasons, seconds
     result: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Reason:
-    """One mismatch between a checkpoint's stamp and this node."""
-
-    field: str  # dotted stamp path, e.g. "gpu.driver_version"
-    expected: str  # what the checkpoint recorded
-    actual: str  # what this node has
-    message: str  # one line an operator understands
-
-    def __str__(self) -> str:
-        return self.message
-
-
-@dataclass(frozen=True)
-class CompatVerdict:
-    checkpoint_id: str
-    compatible: bool
-    reasons: tuple[Reason, ...] = ()

@@ -16,7 +16,7 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   in — a transient systemd scope where systemd is PID 1 — instead of CRIU recreating the old
   cgroup paths behind the service manager's back.
 - ``--restore-detached``: CRIU exits once the tree runs; the tree does not depend on the caller.
-- ``--auto-dedup`` on the restore from a pull's staging only (``daemon/flows.py``): each page
+- ``--auto-dedup`` on the restore from a pull's staging only (``daemon/restore.py``): each page
   is punched out of the images once restored, so the restored memory reuses those warm pages;
   never on a rescue from local images, which may have to be kept.
 
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -301,7 +301,7 @@ class Criu:
         """Run criu in a new session; stdout/stderr go to files (never pipes a restored tree
         could inherit). Returns stdout; raises our error kinds on failure."""
         logp.parent.mkdir(parents=True, exist_ok=True)
-        out_path = logp.with_name(logp.name + ".stdout")
+        out_path = _stdout_path(logp)
         with open(out_path, "w+b") as out, open(os.devnull, "rb") as devnull:
             proc = subprocess.Popen(
                 argv,
@@ -324,6 +324,16 @@ class Criu:
         if rc != 0:
             raise classify_failure(what, _read_log(logp), logp, pid=pid)
         return stdout
+
+
+def remove_logs(log_path: Path) -> None:
+    """Remove a run's log and its captured stdout; a job keeps them only when it fails."""
+    log_path.unlink(missing_ok=True)
+    _stdout_path(log_path).unlink(missing_ok=True)
+
+
+def _stdout_path(log_path: Path) -> Path:
+    return log_path.with_name(log_path.name + ".stdout")
 
 
 def classify_failure(what: str, log_text: str, logp: Path, *, pid: int | None) -> GpusnapError:

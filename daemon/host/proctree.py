@@ -12,9 +12,8 @@ import os
 import pwd
 import re
 import shutil
-import stat
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,6 @@ PROBED_PACKAGES = ("torch", "transformers", "vllm", "sglang", "numpy")
 
 
 @dataclass(frozen=True)
-class FileRef:
-    """A regular file the process has open or mapped, as the stamp records it."""
-
-    path: str
-    size: int
-    mtime_ns: int
-
-
-@dataclass(frozen=True)
 class ProcessInfo:
     pid: int
     ppid: int
@@ -52,8 +42,6 @@ class ProcessInfo:
     user: str
     has_tty: bool
     threads: int
-    open_files: list[FileRef] = field(default_factory=list)
-    mapped_files: list[FileRef] = field(default_factory=list)
 
 
 def exists(pid: int) -> bool:
@@ -62,6 +50,11 @@ def exists(pid: int) -> bool:
         return _stat_fields(pid)[0] not in ("Z", "X")
     except NotFound:
         return False
+
+
+def pid_in_use(pid: int) -> bool:
+    """True while any process holds ``pid``, a zombie included (CRIU cannot restore onto it)."""
+    return (PROC / str(pid)).exists()
 
 
 def is_kernel_thread(pid: int) -> bool:
@@ -130,8 +123,6 @@ def process_info(pid: int) -> ProcessInfo:
             user=_user_name(uid),
             has_tty=has_tty(pid),
             threads=int(status.get("Threads", "1")),
-            open_files=open_files(pid),
-            mapped_files=mapped_files(pid),
         )
     except (FileNotFoundError, ProcessLookupError):
         if exists(pid) and is_kernel_thread(pid):
@@ -170,27 +161,16 @@ def has_tty(pid: int) -> bool:
     return int(_stat_fields(pid)[4]) != 0
 
 
-def open_files(pid: int) -> list[FileRef]:
-    """Regular files among the process's open fds, deduplicated, sorted by path."""
-    fd_dir = PROC / str(pid) / "fd"
+def mapped_paths(pid: int) -> set[str]:
+    """The paths of the files mapped into the process (shared libraries, weights, ...)."""
     paths: set[str] = set()
-    try:
-        fds = list(fd_dir.iterdir())
-    except FileNotFoundError:
-        raise NotFound(f"no such process: {pid}") from None
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("/"):
-            paths.add(target)
-    return _file_refs(paths)
-
-
-def mapped_files(pid: int) -> list[FileRef]:
-    """Regular files mapped into the process (shared libraries, weights, ...), sorted by path."""
-    return _file_refs(_mapped_paths(pid))
+    for line in _read(PROC / str(pid) / "maps").decode(errors="surrogateescape").splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            path = fields[5]
+            if not path.endswith(" (deleted)"):
+                paths.add(path)
+    return paths
 
 
 def launch_spec(pid: int) -> dict[str, Any]:
@@ -220,7 +200,7 @@ def python_packages(
     wanted = {_norm(n): n for n in names}
     found: dict[str, str] = {}
     site_dirs: list[Path] = []
-    for path in sorted(_mapped_paths(pid)):
+    for path in sorted(mapped_paths(pid)):
         parts = Path(path).parts
         for i, part in enumerate(parts[:-1]):
             if part in ("site-packages", "dist-packages"):
@@ -390,33 +370,6 @@ def _has_ancestor_in(pid: int, pids: set[int]) -> bool:
         if cur <= 1:
             return False
     return False
-
-
-def _mapped_paths(pid: int) -> set[str]:
-    paths: set[str] = set()
-    for line in _read(PROC / str(pid) / "maps").decode(errors="surrogateescape").splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith("/"):
-            path = fields[5]
-            if not path.endswith(" (deleted)"):
-                paths.add(path)
-    return paths
-
-
-def _file_refs(paths: set[str]) -> list[FileRef]:
-    refs = []
-    for path in sorted(paths):
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue  # deleted or not reachable from here: the stamp cannot check it anyway
-        if _is_regular(st.st_mode):
-            refs.append(FileRef(path, st.st_size, st.st_mtime_ns))
-    return refs
-
-
-def _is_regular(mode: int) -> bool:
-    return stat.S_ISREG(mode)
 
 
 def _dist_version(site: Path, top: str) -> str | None:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpusnap.daemon.journal import Journal
-from gpusnap.daemon.model import Job, JobKind, JobState, Phase
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, new_job_id
+from gpusnap.daemon.jobs.journal import Journal
 from gpusnap.errors import Cancelled, FailedPrecondition, GpusnapError, NotFound
 
 log = logging.getLogger(__name__)
@@ -32,10 +31,6 @@ PROGRESS_SAVE_INTERVAL = 0.5  # seconds between journal writes of mere progress
 # three times per chunk (~2,000 calls for 1.4 GB); each wake-up costs the daemon a deep copy
 # and a gRPC message, and the watching CLI a parse, on the cores the push itself needs.
 PROGRESS_NOTIFY_INTERVAL = 0.1
-
-
-def new_job_id() -> str:
-    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 class JobContext:
@@ -68,6 +63,11 @@ class JobContext:
     @property
     def deadline(self) -> float | None:
         return self._job.deadline
+
+    @property
+    def trigger(self) -> str:
+        """What asked for the job: ``operator``, ``schedule``, ``reclaim:aws``, ``drill``..."""
+        return self._job.trigger
 
     def set_workload(self, name: str) -> None:
         """A ``--pid`` checkpoint learns its workload name only once it looks at the process."""

@@ -8,16 +8,12 @@ own; CPU checkpoints work the same either way.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from gpusnap.daemon.config import GpuSection
 from gpusnap.daemon.gpu.coordinator import GpuCoordinator
-from gpusnap.daemon.model import Reason
+from gpusnap.daemon.gpu.custom_storage import CustomStorage, MemorySource
+from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import Unavailable
-
-if TYPE_CHECKING:
-    from gpusnap.storage.manifest import Manifest
-    from gpusnap.storage.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -29,22 +25,25 @@ class Freeze(Protocol):
 
 
 class GpuAdapter(Protocol):
+    """What the daemon asks of GPU support; ``GpuCoordinator`` and ``NoGpu`` give it."""
+
     def capabilities(self) -> dict[str, Any]: ...
 
     def stamp(self) -> dict[str, Any]: ...
 
-    def freeze(self, pids: list[int], *, store: CheckpointStore | None = None) -> Freeze: ...
+    def freeze(self, pids: list[int], *, custom_storage: CustomStorage | None = None) -> Freeze:
+        """Lock and checkpoint the CUDA processes among ``pids``; their device memory goes
+        to ``custom_storage``'s sink where the driver offers it."""
+        ...
 
     def thaw(self, freeze: Any) -> None: ...
 
     def restore(
-        self,
-        pids: list[int],
-        gpu_stamp: dict[str, Any],
-        *,
-        store: CheckpointStore | None = None,
-        manifest: Manifest | None = None,
-    ) -> None: ...
+        self, pids: list[int], gpu_stamp: dict[str, Any], *, source: MemorySource | None = None
+    ) -> None:
+        """Put restored processes back on this node's GPUs; a checkpoint whose device memory
+        went to custom storage reads it from ``source``."""
+        ...
 
     def compat_reasons(self, gpu_stamp: dict[str, Any]) -> list[Reason]: ...
 
@@ -71,25 +70,20 @@ class NoGpu:
     def stamp(self) -> dict[str, Any]:
         return {"present": False}
 
-    def freeze(self, pids: list[int], *, store: CheckpointStore | None = None) -> Freeze:
+    def freeze(self, pids: list[int], *, custom_storage: CustomStorage | None = None) -> Freeze:
         return _NoFreeze()
 
     def thaw(self, freeze: Any) -> None:
         return None
 
     def restore(
-        self,
-        pids: list[int],
-        gpu_stamp: dict[str, Any],
-        *,
-        store: CheckpointStore | None = None,
-        manifest: Manifest | None = None,
+        self, pids: list[int], gpu_stamp: dict[str, Any], *, source: MemorySource | None = None
     ) -> None:
-        if gpu_stamp.get("present") and gpu_stamp.get("cuda_pids"):
+        if _holds_gpu_state(gpu_stamp):
             raise Unavailable(f"cannot restore GPU state: {self.message}")
 
     def compat_reasons(self, gpu_stamp: dict[str, Any]) -> list[Reason]:
-        if gpu_stamp.get("present") and gpu_stamp.get("cuda_pids"):
+        if _holds_gpu_state(gpu_stamp):
             return [
                 Reason(
                     "gpu.present",
@@ -104,14 +98,19 @@ class NoGpu:
         return None
 
 
-def open_gpu(section: GpuSection) -> GpuAdapter:
-    if section.driver == "none":
+def _holds_gpu_state(gpu_stamp: dict[str, Any]) -> bool:
+    return bool(gpu_stamp.get("present") and gpu_stamp.get("cuda_pids"))
+
+
+def open_gpu(*, driver: str, call_timeout_s: float, lock_timeout_s: float) -> GpuAdapter:
+    """GPU support as ``[gpu]`` configures it (``driver``: auto, cuda or none)."""
+    if driver == "none":
         return NoGpu()
     try:
         coordinator: GpuAdapter = GpuCoordinator.create(
             driver="cuda",
-            call_timeout_s=section.call_timeout_s,
-            lock_timeout_ms=int(section.lock_timeout_s * 1000),
+            call_timeout_s=call_timeout_s,
+            lock_timeout_ms=int(lock_timeout_s * 1000),
         )
     except Exception as exc:  # GPU support must never keep CPU checkpoints from working
         log.warning("GPU support unavailable: %s", exc)

@@ -14,7 +14,7 @@ import os
 import pwd
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +25,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class LaunchSpec:
-    command: tuple[str, ...]
-    cwd: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    user: str | None = None
-    source: str = "config"  # config | checkpoint
+class LaunchSpec(StartSpec):
+    """A start spec (command, cwd, env, user) and where it came from: this node's config for
+    the workload, or the checkpoint's stamp."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "command": list(self.command),
-            "cwd": self.cwd,
-            "env": dict(self.env),
-            "user": self.user,
-            "source": self.source,
-        }
+    source: str = "config"  # config | checkpoint
 
 
 def from_config(start: StartSpec) -> LaunchSpec:
-    return LaunchSpec(start.command, start.cwd, dict(start.env), start.user, "config")
+    return LaunchSpec(start.command, start.cwd, dict(start.env), start.user, source="config")
 
 
 def from_stamp(launch: Any) -> LaunchSpec:
@@ -63,7 +53,7 @@ def from_stamp(launch: Any) -> LaunchSpec:
         cwd if isinstance(cwd, str) else None,
         {str(k): str(v) for k, v in env.items()},
         user if isinstance(user, str) else None,
-        "checkpoint",
+        source="checkpoint",
     )
 
 

@@ -3,21 +3,21 @@
 A checkpoint's time to commit would otherwise be the dump *then* the upload: CRIU writes
 every page into staging, and only then does the store read, cut, hash, compress and upload
 them. CRIU writes a page image (``pages-<n>.img``) front to back, one process's at a time,
-so the store can follow the file as it grows: ``PageImageFollower`` hands each page image,
-as it appears, to the store, which cuts and uploads it while it grows
-(``storage/growing.py``), on a thread of its own, while CRIU dumps. When CRIU exits the follower
-reads what is left and the push names the uploaded streams instead of reading the files
-again (``UploadedStreams.of_files``).
+so the store can read the file as it grows: ``PageStreamer`` hands each page image, as it
+appears, to the store, which cuts and uploads it while it grows (``storage/growing.py``), on a
+thread of its own, while CRIU dumps. When CRIU exits the streamer reads what is left and the
+push names the uploaded streams instead of reading the files again
+(``UploadedStreams.of_files``).
 
 A page image is taken as complete when CRIU has exited, or when the next page image exists
 (CRIU has moved on to the next process) and the end of the file has been reached. The push
 checks each file's size against what was streamed and reads any file that differs again,
-so a follower that was wrong costs time, never a wrong checkpoint. The follower runs at
+so a streamer that was wrong costs time, never a wrong checkpoint. The streamer runs at
 the lowest CPU priority while CRIU runs: on a busy node the dump (the workload's pause)
 comes first.
 
-Used when the checkpoint has no parent to follow (``storage/follow.py`` makes an upload
-after a parent cheap; the first, full upload is the one worth overlapping).
+Used when the checkpoint has no parent (``storage/follow.py`` makes an upload after a parent
+cheap by following the parent's chunks; the first, full upload is the one worth overlapping).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _KIND = "criu-pages"
 
 
 class _Uploader(Protocol):
-    """What the follower needs of the store (``CheckpointStore.upload_growing``)."""
+    """What the streamer needs of the store (``CheckpointStore.upload_growing``)."""
 
     def upload_growing(
         self,
@@ -66,7 +66,7 @@ def _page_images(images: Path) -> list[str]:
     return [m.group(0) for m in sorted(names, key=lambda m: int(m.group(1)))]
 
 
-class PageImageFollower:
+class PageStreamer:
     """Streams ``images/pages-*.img`` into the store while CRIU writes them."""
 
     def __init__(self, store: _Uploader, images: Path, *, compress: bool | None) -> None:
@@ -78,13 +78,13 @@ class PageImageFollower:
         self._result = UploadedStreams()
         self._error: BaseException | None = None
         self._tids: list[int] = []
-        self._thread = threading.Thread(target=self._run, name="gpusnap-dumpstream", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gpusnap-pagestream", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def finish(self) -> UploadedStreams | None:
-        """CRIU is done: upload what is left; the streams, or None if following failed."""
+        """CRIU is done: upload what is left; the streams, or None if streaming failed."""
         self._dumped.set()
         self._renice(0)
         if self._thread.ident is not None:  # started
@@ -101,7 +101,7 @@ class PageImageFollower:
         if self._thread.ident is not None:  # started
             self._thread.join()
 
-    # --- the follower thread -------------------------------------------------------------
+    # --- the streamer thread -------------------------------------------------------------
 
     def _renice(self, value: int) -> None:
         for tid in list(self._tids):

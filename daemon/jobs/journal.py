@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.model import Job, JobKind, JobState, Phase, Progress
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, Progress
 from gpusnap.errors import Unavailable
 
 log = logging.getLogger(__name__)
