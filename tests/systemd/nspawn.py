@@ -92,9 +92,11 @@ class Container:
         name: str = "gpusnap-test",
         *,
         freezable: bool = False,
+        src: Path = REPO,
     ) -> None:
         self.rootfs_tar = rootfs_tar
         self.freezable = freezable
+        self.src = src  # the checkout bound read-only at SRC_IN_CONTAINER
         self.log_path = log_path
         self.name = name
         self.nspawn: subprocess.Popen[bytes] | None = None
@@ -127,7 +129,7 @@ class Container:
         # /tmp. Everything from `mount -t tmpfs` on happens in the private mount namespace.
         script = f"""
 set -e
-exec 3<{shlex.quote(str(REPO))}
+exec 3<{shlex.quote(str(self.src))}
 echo $$ > {shlex.quote(str(self.cgroup / "cgroup.procs"))}
 mount -t tmpfs -o mode=1777 gpusnap-nspawn-tmp /tmp
 mkdir -p /run/systemd
