@@ -301,3 +301,22 @@ def test_a_wrong_option_is_a_usage_error() -> None:
     assert proc.returncode == 2
     assert "unknown option --frobnicate" in proc.stderr
     assert "scripts/install.sh [--wheel FILE]" in proc.stderr
+
+
+def test_the_wheel_carries_the_code_the_entry_points_and_no_tests(payload: Payload) -> None:
+    with zipfile.ZipFile(payload.wheel) as z:
+        names = set(z.namelist())
+        entry_points = next(z.read(n) for n in names if n.endswith("entry_points.txt")).decode()
+    for module in (
+        "gpusnap/errors.py",
+        "gpusnap/daemon/main.py",
+        "gpusnap/cli/main.py",
+        "gpusnap/storage/store.py",
+        "gpusnap/proto/gpusnap/v1/gpusnap_pb2.py",
+        "gpusnap/proto/gpusnap/v1/gpusnap_pb2_grpc.py",
+        "gpusnap/py.typed",
+    ):
+        assert module in names, module
+    assert "gpusnapd = gpusnap.daemon.main:main" in entry_points
+    assert "gpusnap = gpusnap.cli.main:main" in entry_points
+    assert not [n for n in names if n.startswith(("tests/", "bench/", "demo/"))]

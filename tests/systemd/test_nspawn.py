@@ -430,3 +430,27 @@ EOF"""
         assert machine.sh(count).stdout.strip() == "1"
     finally:
         machine.run("rm", "-f", ours, theirs, "/etc/apt/preferences.d/gpusnap-trixie", check=False)
+
+
+def test_a_unit_with_a_mount_namespace_of_its_own_is_not_checkpointed(service: Container) -> None:
+    unit = "gpusnap-test-counter.service"
+    pid = start_workload(service, unit, COUNTER, "PrivateTmp=yes")
+    try:
+        service.wait_for("the counter counting", f"[ $(cat {COUNTER_FILE}) -ge 3 ]")
+        proc = service.run(
+            "gpusnap",
+            "checkpoint",
+            "--workload",
+            "counter",
+            "--leave-running",
+            "--wait",
+            check=False,
+        )
+        # CRIU refuses the unit's private mounts ("mnt: Mount ... has unreachable sharing");
+        # the workload is untouched and keeps running.
+        assert proc.returncode == 1
+        assert f"criu dump of pid {pid} failed: mnt: " in proc.stderr
+        assert alive(service, pid)
+        assert service.show(unit, "ActiveState")["ActiveState"] == "active"
+    finally:
+        service.sh(f"systemctl stop {unit}; systemctl reset-failed {unit} 2>/dev/null || true")
