@@ -54,9 +54,9 @@ die() {
   log "error: $*"
   exit 1
 }
-usage() {
-  sed -n '4,5p' "$0" | sed 's/^# *//' >&2
-  exit 2
+usage() { # $1: the exit status (0 for --help, 2 for a wrong option)
+  sed -n '4,6p' "$0" | sed 's/^#  //' >&2
+  exit "$1"
 }
 
 root=
@@ -86,8 +86,8 @@ while [ $# -gt 0 ]; do
     --no-restart) restart=0 && shift ;;
     --uninstall) action=uninstall && shift ;;
     --purge) purge=1 && shift ;;
-    -h | --help) usage ;;
-    *) log "error: unknown option $1" && usage ;;
+    -h | --help) usage 0 ;;
+    *) log "error: unknown option $1" && usage 2 ;;
   esac
 done
 [ "$purge" = 0 ] || [ "$action" = uninstall ] || die "--purge goes with --uninstall"

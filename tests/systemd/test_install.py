@@ -4,8 +4,6 @@ systemd applying it, is tested in a container (test_nspawn.py)."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import shutil
 import subprocess
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.systemd.conftest import Payload
+from tests.systemd.conftest import Payload, changed_wheel
 from tests.systemd.nspawn import REPO
 
 pytestmark = pytest.mark.slow
@@ -209,29 +207,6 @@ def test_a_second_install_changes_nothing(scratch: Path, payload: Payload) -> No
     assert tree(scratch) == before
 
 
-def _changed_wheel(wheel: Path, out_dir: Path) -> Path:
-    """The same wheel with one module changed (and its RECORD kept true): an upgrade."""
-    out = out_dir / wheel.name
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
-        record_name = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
-        body = src.read("gpusnap/__init__.py") + b"# upgraded\n"
-        digest = base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
-        for name in src.namelist():
-            if name == record_name:
-                lines = [
-                    f"gpusnap/__init__.py,sha256={digest},{len(body)}"
-                    if line.startswith("gpusnap/__init__.py,")
-                    else line
-                    for line in src.read(name).decode().splitlines()
-                ]
-                dst.writestr(name, "\n".join(lines) + "\n")
-            elif name == "gpusnap/__init__.py":
-                dst.writestr(name, body)
-            else:
-                dst.writestr(name, src.read(name))
-    return out
-
-
 @needs_venv
 def test_an_upgrade_replaces_the_venv_and_keeps_config_keys_and_state(
     scratch: Path, payload: Payload, tmp_path: Path
@@ -244,7 +219,7 @@ def test_an_upgrade_replaces_the_venv_and_keeps_config_keys_and_state(
     state.parent.mkdir(parents=True)
     state.write_bytes(b"the journal")
     kept = {p: p.read_bytes() for p in (config, key, state)}
-    newer = _changed_wheel(payload.wheel, tmp_path)
+    newer = changed_wheel(payload.wheel, tmp_path)
     proc = install(scratch, payload, wheel=newer)
     assert proc.returncode == 0, proc.stderr
     assert "building the venv" in proc.stderr

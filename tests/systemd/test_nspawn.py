@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.systemd.conftest import KEY_FILE, Payload, install_command
+from tests.systemd.conftest import KEY_FILE, Payload, changed_wheel, install_command
 from tests.systemd.nspawn import FREEZABLE_DIR, Container
 
 pytestmark = [pytest.mark.nspawn, pytest.mark.slow]
@@ -377,6 +377,23 @@ def test_a_second_install_changes_nothing_and_restarts_nothing(
     assert "is up to date" in again.stderr
     assert f"{UNIT} keeps running" in again.stderr
     assert main_pid(service) == pid
+    assert _fingerprint(service) == before
+
+
+def test_an_upgrade_restarts_the_daemon_onto_the_new_code_and_keeps_config_keys_state(
+    service: Container, payload: Payload
+) -> None:
+    pid, before = main_pid(service), _fingerprint(service)
+    newer = changed_wheel(payload.wheel, payload.wheel.parent / "newer")
+    try:
+        up = service.run(*install_command(payload, wheel=newer))
+        assert f"restarting {UNIT} onto the new version" in up.stderr
+        assert main_pid(service) != pid
+        init = service.sh("cat /opt/gpusnap/venv/lib/python3*/site-packages/gpusnap/__init__.py")
+        assert init.stdout.endswith("# upgraded\n")
+        assert _fingerprint(service) == before
+    finally:
+        service.run(*install_command(payload))  # back to the session's wheel
     assert _fingerprint(service) == before
 
 
