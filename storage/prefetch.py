@@ -38,6 +38,14 @@ log = logging.getLogger(__name__)
 # while it holds the GIL would stall every thread of the daemon).
 PREFETCH_NICE = 10
 _MAX_PROBLEMS = 10
+# What a chunk object holds beyond the chunk's bytes, at most (header, nonce, GCM tag):
+# counted so that what a prefetch plans to keep fits the budget as objects.
+_OBJECT_OVERHEAD = 64
+
+
+# Tokens are bytes: a millionth of one is rounding, not debt (without this a refill that
+# lands a hair short of ``need`` would wait ever smaller delays).
+_ROUNDING = 1e-6
 
 
 class TokenBucket:
@@ -78,7 +86,7 @@ class TokenBucket:
             while True:
                 self._refill()
                 need = min(float(n), self.burst)
-                if self._tokens >= need:
+                if self._tokens >= need - _ROUNDING:
                     self._tokens -= n
                     return True
                 delay = (need - self._tokens) / self.rate
@@ -206,9 +214,9 @@ def prefetch(
     )
     try:
         for chunk_id, size in missing:
-            if stop.is_set() or planned + size > room:
+            if stop.is_set() or planned + size + _OBJECT_OVERHEAD > room:
                 break
-            planned += size
+            planned += size + _OBJECT_OVERHEAD
             while len(in_flight) >= 2 * threads:  # a few ahead: memory stays bounded
                 finished, in_flight = _wait_one(in_flight)
                 for fut in finished:
