@@ -52,6 +52,7 @@ DEFAULT_FS_FRACTION = 0.25
 _TOUCH_BATCH = 256
 _TOUCH_SECONDS = 1.0
 _EVICT_BATCH = 64
+_PRESENT = "SELECT id, size FROM entries WHERE scope = ? AND writer IS NULL AND id IN"
 _COUNTERS = ("used", "hits", "misses", "bytes_hit", "bytes_added", "evicted", "dropped")
 
 _SCHEMA = """
@@ -131,9 +132,9 @@ class ChunkCache:
         self._counts: Counter[str] = Counter()
         self._flushed_at = time.monotonic()
         db_path = directory / DB_NAME
-        if not create and not db_path.exists():
-            raise NotFound(f"no chunk cache in {directory}")
         try:
+            if not create and not db_path.exists():
+                raise NotFound(f"no chunk cache in {directory}")
             _check_dir(directory, create=create)
             self.files.make_dirs()
             self._db, rebuilt = _connect(db_path)
@@ -257,16 +258,16 @@ class ChunkCache:
         """Which of ``chunk_ids`` the index holds (written, not being written): id -> bytes."""
         ids = list(dict.fromkeys(chunk_ids))
         found: dict[str, int] = {}
-        with self._lock:
-            for start in range(0, len(ids), 500):
-                batch = ids[start : start + 500]
-                marks = ",".join("?" * len(batch))
-                rows = self._db.execute(
-                    f"SELECT id, size FROM entries WHERE scope = ? AND writer IS NULL "  # noqa: S608
-                    f"AND id IN ({marks})",
-                    (scope, *batch),
-                ).fetchall()
-                found.update((str(r[0]), int(r[1])) for r in rows)
+        try:
+            with self._lock:
+                for start in range(0, len(ids), 500):
+                    batch = ids[start : start + 500]
+                    marks = ",".join("?" * len(batch))  # placeholders only: no value in SQL
+                    query = f"{_PRESENT} ({marks})"
+                    rows = self._db.execute(query, (scope, *batch)).fetchall()
+                    found.update((str(r[0]), int(r[1])) for r in rows)
+        except sqlite3.Error as exc:
+            log.warning("chunk cache: cannot look up chunks: %s", exc)
         return found
 
     def touch(self, scope: str, chunk_ids: Iterable[str]) -> None:
@@ -280,6 +281,13 @@ class ChunkCache:
     # --- the whole cache ------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
+        """The cache's figures (``FailedPrecondition`` if its index cannot be read)."""
+        try:
+            return self._stats()
+        except sqlite3.Error as exc:
+            raise FailedPrecondition(f"chunk cache {self.dir}: {exc}") from exc
+
+    def _stats(self) -> CacheStats:
         self.flush()
         with self._lock:
             db = self._db
@@ -310,9 +318,12 @@ class ChunkCache:
     def prune(self, to_bytes: int) -> PruneResult:
         """Evict the least recently used objects until at most ``to_bytes`` are held."""
         self.flush()
-        with self._tx() as db:
-            count, freed = self._evict_to(db, max(0, to_bytes))
-            left = _total(db, "used")
+        try:
+            with self._tx() as db:
+                count, freed = self._evict_to(db, max(0, to_bytes))
+                left = _total(db, "used")
+        except sqlite3.Error as exc:
+            raise FailedPrecondition(f"chunk cache {self.dir}: {exc}") from exc
         return PruneResult(count, freed, left)
 
     def flush(self) -> None:
@@ -455,7 +466,8 @@ def _connect(path: Path) -> tuple[sqlite3.Connection, bool]:
             return db, fresh
         except sqlite3.DatabaseError as exc:
             db.close()
-            if attempt:
+            # Only a file that is no database, or a damaged one: never one merely busy.
+            if attempt or exc.sqlite_errorname not in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
                 raise
             aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
             log.warning(
