@@ -6,7 +6,7 @@ chunk objects exactly as a store holds them (compressed, encrypted, named by chu
 cached chunk is decoded and verified like one fetched from the store, and a store's chunks
 live in that store's *scope* only (``scope_of``): chunks of two stores never mix.
 
-The index is SQLite in WAL mode (``chunks.sqlite``): one row per object, ``(scope, id, size,
+The index is SQLite in WAL mode (``db.py``): one row per object, ``(scope, id, size,
 last_used, writer)``, and running totals. The budget is kept by reservation: a writer
 reserves an object's bytes in a write transaction (evicting the least recently used objects,
 files and rows together, until they fit) before it creates any file, so the bytes of every
@@ -37,6 +37,7 @@ from typing import Any
 from blake3 import blake3
 
 from gpusnap.errors import FailedPrecondition, NotFound
+from gpusnap.storage.cache.db import COUNTERS, DB_NAME, add, connect, meta, set_meta, total
 from gpusnap.storage.cache.files import CacheFiles, Oversized, check_chunk_id
 from gpusnap.storage.cache.repair import reap_dead_writers, repair
 from gpusnap.storage.cache.writers import WriterToken
@@ -46,24 +47,12 @@ log = logging.getLogger(__name__)
 # The daemon's default ``[cache] dir`` (``<state_dir>/cache``), which ``gpusnap cache`` and
 # ``gpusnap store pull`` use when given no other.
 DEFAULT_CACHE_DIR = Path("/var/lib/gpusnap/cache")
-DB_NAME = "chunks.sqlite"
 # A new cache without a budget given gets this fraction of its file system.
 DEFAULT_FS_FRACTION = 0.25
 _TOUCH_BATCH = 256
 _TOUCH_SECONDS = 1.0
 _EVICT_BATCH = 64
 _PRESENT = "SELECT id, size FROM entries WHERE scope = ? AND writer IS NULL AND id IN"
-_COUNTERS = ("used", "hits", "misses", "bytes_hit", "bytes_added", "evicted", "dropped")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
-    scope TEXT NOT NULL, id TEXT NOT NULL, size INTEGER NOT NULL,
-    last_used INTEGER NOT NULL, writer TEXT, PRIMARY KEY (scope, id)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_used);
-CREATE TABLE IF NOT EXISTS scopes (scope TEXT PRIMARY KEY, label TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS totals (name TEXT PRIMARY KEY, n INTEGER NOT NULL);
-"""
 
 
 def scope_of(store_key: str, fingerprint: str = "") -> str:
@@ -137,18 +126,18 @@ class ChunkCache:
                 raise NotFound(f"no chunk cache in {directory}")
             _check_dir(directory, create=create)
             self.files.make_dirs()
-            self._db, rebuilt = _connect(db_path)
+            self._db, rebuilt = connect(db_path)
             with self._tx() as db:
-                for name in _COUNTERS:
+                for name in COUNTERS:
                     db.execute("INSERT OR IGNORE INTO totals (name, n) VALUES (?, 0)", (name,))
                 if max_bytes is not None:
-                    _set_meta(db, "max_bytes", str(max_bytes))
-                elif _meta(db, "max_bytes") is None:
-                    _set_meta(db, "max_bytes", str(_default_budget(directory)))
-                self.max_bytes = int(_meta(db, "max_bytes") or 0)
-                full = rebuilt or _meta(db, "boot_id") != self._token.boot_id
+                    set_meta(db, "max_bytes", str(max_bytes))
+                elif meta(db, "max_bytes") is None:
+                    set_meta(db, "max_bytes", str(_default_budget(directory)))
+                self.max_bytes = int(meta(db, "max_bytes") or 0)
+                full = rebuilt or meta(db, "boot_id") != self._token.boot_id
                 repair(db, self.files, full=full)
-                _set_meta(db, "boot_id", self._token.boot_id)
+                set_meta(db, "boot_id", self._token.boot_id)
                 self._evict_to(db, self.max_bytes)
         except sqlite3.Error as exc:
             raise FailedPrecondition(f"cannot open the chunk cache in {directory}: {exc}") from exc
@@ -218,10 +207,10 @@ class ChunkCache:
                     "VALUES (?, ?, ?, ?, ?)",
                     (scope, chunk_id, need, time.time_ns(), str(self._token)),
                 )
-                _add(db, "used", need)
+                add(db, "used", need)
                 self._serial += 1
                 temp_name = f"{self._temp_prefix}{self._serial}"
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # OSError: evicting an object failed
             log.warning("chunk cache: cannot reserve %d bytes: %s", need, exc)
             return False
         try:
@@ -237,7 +226,7 @@ class ChunkCache:
                     "WHERE scope = ? AND id = ? AND writer = ?",
                     (time.time_ns(), scope, chunk_id, str(self._token)),
                 )
-                _add(db, "bytes_added", need)
+                add(db, "bytes_added", need)
         except sqlite3.Error as exc:
             # The object is whole; a later open sees a dead writer's row and removes both.
             log.warning("chunk cache: cannot mark %s written: %s", chunk_id, exc)
@@ -250,7 +239,7 @@ class ChunkCache:
             with self._tx() as db:
                 self.files.unlink(scope, chunk_id)
                 self._drop_row(db, scope, chunk_id)
-                _add(db, "dropped", 1)
+                add(db, "dropped", 1)
         except (sqlite3.Error, OSError) as exc:
             log.warning("chunk cache: cannot drop %s: %s", chunk_id, exc)
 
@@ -321,7 +310,7 @@ class ChunkCache:
         try:
             with self._tx() as db:
                 count, freed = self._evict_to(db, max(0, to_bytes))
-                left = _total(db, "used")
+                left = total(db, "used")
         except sqlite3.Error as exc:
             raise FailedPrecondition(f"chunk cache {self.dir}: {exc}") from exc
         return PruneResult(count, freed, left)
@@ -374,23 +363,25 @@ class ChunkCache:
             ((at, scope, cid) for (scope, cid), at in touches.items()),
         )
         for name, n in counts.items():
-            _add(db, name, n)
+            add(db, name, n)
 
     def _make_room(self, db: sqlite3.Connection, need: int) -> bool:
         # What this process used last must count before victims are chosen.
         touches, self._touches = self._touches, {}
         self._write_touches(db, touches, Counter())
+        # The budget is the cache's, not this process's: another may have set a new one.
+        self.max_bytes = int(meta(db, "max_bytes") or self.max_bytes)
         target = self.max_bytes - need
         self._evict_to(db, target)
-        if _total(db, "used") > target:
+        if total(db, "used") > target:
             # Perhaps held by writers that died since this cache was opened.
             reap_dead_writers(db, self.files)
             self._evict_to(db, target)
-        return _total(db, "used") <= target
+        return total(db, "used") <= target
 
     def _evict_to(self, db: sqlite3.Connection, target: int) -> tuple[int, int]:
         """Evict least recently used objects (file first, then row) while over ``target``."""
-        used = _total(db, "used")
+        used = total(db, "used")
         count = freed = 0
         while used > target:
             victims = db.execute(
@@ -409,8 +400,8 @@ class ChunkCache:
                 if used <= target:
                     break
         if count:
-            _add(db, "used", -freed)
-            _add(db, "evicted", count)
+            add(db, "used", -freed)
+            add(db, "evicted", count)
             log.debug("chunk cache: evicted %d objects (%d bytes)", count, freed)
         return count, freed
 
@@ -419,7 +410,7 @@ class ChunkCache:
             "DELETE FROM entries WHERE scope = ? AND id = ? RETURNING size", (scope, chunk_id)
         ).fetchone()
         if row is not None:
-            _add(db, "used", -int(row[0]))
+            add(db, "used", -int(row[0]))
 
     def _give_back(self, scope: str, chunk_id: str) -> None:
         try:
@@ -430,8 +421,8 @@ class ChunkCache:
                     (scope, chunk_id, str(self._token)),
                 ).fetchone()
                 if row is not None:
-                    _add(db, "used", -int(row[0]))
-        except sqlite3.Error as exc:
+                    add(db, "used", -int(row[0]))
+        except (sqlite3.Error, OSError) as exc:
             log.warning("chunk cache: cannot give back %s: %s", chunk_id, exc)
 
 
@@ -451,53 +442,6 @@ def _check_dir(directory: Path, *, create: bool) -> None:
         )
 
 
-def _connect(path: Path) -> tuple[sqlite3.Connection, bool]:
-    """The index, and whether it was made anew (its objects are then adopted from the files).
-
-    An index SQLite cannot read is moved aside and made again: the files are the truth.
-    """
-    fresh = not path.exists()
-    for attempt in range(2):
-        db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(_SCHEMA)
-            return db, fresh
-        except sqlite3.DatabaseError as exc:
-            db.close()
-            # Only a file that is no database, or a damaged one: never one merely busy.
-            if attempt or exc.sqlite_errorname not in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
-                raise
-            aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
-            log.warning(
-                "chunk cache: index %s unreadable (%s); rebuilt, old one at %s", path, exc, aside
-            )
-            os.replace(path, aside)
-            for suffix in ("-wal", "-shm"):
-                Path(f"{path}{suffix}").unlink(missing_ok=True)
-            fresh = True
-    raise AssertionError("unreachable")
-
-
 def _default_budget(directory: Path) -> int:
     fs = os.statvfs(directory)
     return int(fs.f_blocks * fs.f_frsize * DEFAULT_FS_FRACTION)
-
-
-def _meta(db: sqlite3.Connection, key: str) -> str | None:
-    row = db.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()
-    return None if row is None else str(row[0])
-
-
-def _set_meta(db: sqlite3.Connection, key: str, value: str) -> None:
-    db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (key, value))
-
-
-def _total(db: sqlite3.Connection, name: str) -> int:
-    row = db.execute("SELECT n FROM totals WHERE name = ?", (name,)).fetchone()
-    return 0 if row is None else int(row[0])
-
-
-def _add(db: sqlite3.Connection, name: str, n: int) -> None:
-    db.execute("UPDATE totals SET n = n + ? WHERE name = ?", (n, name))

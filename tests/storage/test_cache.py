@@ -15,7 +15,7 @@ from blake3 import blake3
 
 from gpusnap.errors import FailedPrecondition, NotFound
 from gpusnap.storage.cache import ChunkCache, scope_of
-from gpusnap.storage.cache.disk import DB_NAME
+from gpusnap.storage.cache.db import DB_NAME
 
 SCOPE = scope_of("file:///somewhere")
 

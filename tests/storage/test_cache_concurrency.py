@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from gpusnap.storage.cache import ChunkCache, scope_of
-from gpusnap.storage.cache.disk import DB_NAME
+from gpusnap.storage.cache.db import DB_NAME
 from tests.cli._cli import make_cli
 from tests.storage.store_helpers import MiB, random_bytes
 from tests.storage.test_cache import cid, disk_bytes
