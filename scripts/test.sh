@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, format check, strict type check, then pytest.
+# The whole test suite: lint, format check, strict type check, the import contracts, then
+# pytest.
 # Sets up what it needs first (scripts/bootstrap.sh), so it runs on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +11,8 @@ ruff check .
 ruff format --check .
 echo "== mypy (strict)"
 mypy -p gpusnap
+echo "== import contracts (pyproject.toml [tool.importlinter])"
+# The checkout's own src/, whichever checkout the venv was installed from.
+PYTHONPATH="$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}" lint-imports --no-cache --no-logo
 echo "== pytest"
 exec pytest -p no:cacheprovider "$@"
