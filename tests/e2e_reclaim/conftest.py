@@ -27,7 +27,7 @@ import pytest
 
 from tests.e2e.conftest import HANG_GUARD, Node, Nodes, criu_or_skip
 from tests.support import workloads
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.moto_server import TEST_REGION, MotoServer
 
 T = TypeVar("T")
 
@@ -53,12 +53,6 @@ def _subreaper() -> Iterator[None]:
     workloads.set_child_subreaper(True)
     yield
     workloads.set_child_subreaper(False)
-
-
-@pytest.fixture(scope="session")
-def moto() -> Iterator[MotoServer]:
-    with aws_test_credentials(), MotoServer() as server:
-        yield server
 
 
 @dataclass
@@ -186,11 +180,10 @@ def migration_section(
 class Cluster:
     """Nodes over one S3 bucket on the moto server (each test gets a fresh bucket)."""
 
-    def __init__(self, nodes: Nodes, moto: MotoServer) -> None:
+    def __init__(self, nodes: Nodes, moto: MotoServer, bucket: str) -> None:
         self.nodes = nodes
         self.moto = moto
-        self.bucket = f"reclaim-{uuid.uuid4().hex[:12]}"
-        moto.create_bucket(self.bucket)
+        self.bucket = bucket
         self.prefix = "ckpt"
 
     @property
@@ -262,12 +255,14 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, moto: MotoServer, workload: ReclaimWorkload) -> Iterator[Cluster]:
+def cluster(
+    tmp_path: Path, moto_server: MotoServer, s3_bucket: str, workload: ReclaimWorkload
+) -> Iterator[Cluster]:
     # Depends on ``workload`` so that the nodes stop before the workload fixture cleans up:
     # a restore still in flight then finishes first, and its tree is ours to kill and reap.
     criu_or_skip()
     nodes = Nodes(tmp_path)
     try:
-        yield Cluster(nodes, moto)
+        yield Cluster(nodes, moto_server, s3_bucket)
     finally:
         nodes.close()
