@@ -232,12 +232,6 @@ class FaultProxy(StartStop):
             self._down = False
         self.start()
 
-    def heal(self) -> None:
-        """Clear every pending fault (but not ``go_down``; use ``go_up`` for that)."""
-        with self._lock:
-            self._fail_count = self._drop_count = self._lose_reply_count = 0
-            self._fail_until = 0.0
-
     def outcomes(self) -> list[str]:
         with self._lock:
             return [outcome for _, _, outcome in self.requests]

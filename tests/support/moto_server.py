@@ -138,12 +138,6 @@ class MotoServer(StartStop):
             self._log.close()
             self._log = None
 
-    def reset(self) -> None:
-        """Forget every bucket and object (moto's ``/moto-api/reset``)."""
-        request = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
-        with urllib.request.urlopen(request, timeout=30) as response:
-            response.read()
-
     def client(self, region: str = TEST_REGION) -> Any:
         """A plain boto3 S3 client for this server (test setup and inspection)."""
         return boto3.client(
