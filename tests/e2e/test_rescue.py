@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.host import proctree
-from tests.e2e.conftest import criu_or_skip, restored_cleanup
+from tests.e2e.conftest import restored_cleanup
 from tests.e2e_gpu.conftest import GpuNodes
 from tests.fakes.fake_cuda import GIB, default_devices
 from tests.support import workloads
+from tests.support.criu import criu_or_skip
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import TEST_REGION, MotoServer
 
