@@ -69,13 +69,21 @@ def _wait_for_uploads(proxy: FaultProxy, proc: subprocess.Popen[str], count: int
         time.sleep(0.005)
 
 
-def test_push_survives_503s_for_a_few_seconds(
-    tmp_path: Path, s3_bucket: str, proxy: FaultProxy
-) -> None:
-    cli = _s3_cli(tmp_path, proxy.endpoint_url, s3_bucket)
+def _push_under_way(
+    tmp_path: Path, bucket: str, proxy: FaultProxy
+) -> tuple[Cli, Path, subprocess.Popen[str]]:
+    """A push of a 48 MiB image through ``proxy``, two uploads in: the CLI, the image, the push."""
+    cli = _s3_cli(tmp_path, proxy.endpoint_url, bucket)
     image = _image(tmp_path / "image", 48)
     proc = _start_push(cli, image)
     _wait_for_uploads(proxy, proc, 2)
+    return cli, image, proc
+
+
+def test_push_survives_503s_for_a_few_seconds(
+    tmp_path: Path, s3_bucket: str, proxy: FaultProxy
+) -> None:
+    cli, image, proc = _push_under_way(tmp_path, s3_bucket, proxy)
     proxy.fail_for(2.0, status=503)
     out, err = proc.communicate(timeout=300)
     assert "Traceback" not in err
@@ -93,10 +101,7 @@ def test_push_survives_503s_for_a_few_seconds(
 def test_push_to_a_server_that_stops_fails_cleanly_and_a_retry_succeeds(
     tmp_path: Path, s3_bucket: str, proxy: FaultProxy
 ) -> None:
-    cli = _s3_cli(tmp_path, proxy.endpoint_url, s3_bucket)
-    image = _image(tmp_path / "image", 48)
-    proc = _start_push(cli, image)
-    _wait_for_uploads(proxy, proc, 2)
+    cli, image, proc = _push_under_way(tmp_path, s3_bucket, proxy)
     proxy.go_down()
     out, err = proc.communicate(timeout=600)
     assert "Traceback" not in err
