@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpusnap.storage import CheckpointStore, open_store
+from gpusnap.storage import CheckpointStore, ChunkCache, open_store
 from gpusnap.storage.backend import BackendOptions
 
 # The store used when neither --store nor GPUSNAP_STORE names one (see docs).
@@ -215,8 +215,11 @@ def trusted_keys(args: argparse.Namespace) -> list[Path]:
     return [Path(p) for p in os.environ.get("GPUSNAP_TRUSTED_KEYS", "").split(":") if p]
 
 
-def open_store_from_args(args: argparse.Namespace, *, create: bool = True) -> CheckpointStore:
-    """Open the store the options name; without ``create`` a missing one is ``NotFound``."""
+def open_store_from_args(
+    args: argparse.Namespace, *, create: bool = True, chunk_cache: ChunkCache | None = None
+) -> CheckpointStore:
+    """Open the store the options name; without ``create`` a missing one is ``NotFound``.
+    ``chunk_cache``: the node's chunk cache, for a pull (the caller closes it)."""
     return open_store(
         store_url(args),
         key_file=_env_path(args.key_file, "GPUSNAP_KEY_FILE"),
@@ -226,6 +229,7 @@ def open_store_from_args(args: argparse.Namespace, *, create: bool = True) -> Ch
         cache_dir=args.cache_dir,
         workers=args.workers,
         trusted_keys=trusted_keys(args),
+        chunk_cache=chunk_cache,
     )
 
 

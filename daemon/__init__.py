@@ -1,6 +1,14 @@
-"""gpusnapd, the node daemon: config, jobs, capture (CRIU for host state, the CUDA checkpoint
-API for GPU state), stamp and compatibility gate, cold start, triggers, the gRPC server and
-systemd integration.
+"""gpusnapd, the node daemon, in rooms named for what they hold.
 
-May import ``gpusnap.storage`` and ``gpusnap.proto``; never ``gpusnap.cli``.
+At the top: ``main`` (the process: config, lock, CRIU check, service, API, systemd),
+``config`` (+ ``config_table``), ``service`` (``DaemonService``, what the API asks),
+``status``, ``node`` (``Node``: what a job body may use), the job bodies ``checkpoint``,
+``restore`` and ``rescue``, ``stamp`` (what a checkpoint carries), ``compat`` and ``verdict``
+(the gate), ``gpu_memory`` (device memory in the store), ``statedir``, ``metrics``,
+``sdnotify``. Rooms: ``jobs/`` (job, executor, journal), ``host/`` (/proc, CRIU, cold start),
+``gpu/`` (the CUDA checkpoint layer), ``api`` and ``reclaim`` (triggers and migration).
+
+May import ``gpusnap.storage``, ``gpusnap.proto`` and ``gpusnap.errors``; never ``gpusnap.cli``.
+``gpu/`` never imports ``gpusnap.storage`` (its copies go through callables it is given), and
+nothing but ``main`` imports ``service`` (the API types it by a Protocol).
 """

@@ -4,24 +4,30 @@ Every section and key is listed here; an unknown key or a bad value is an ``Inva
 whose one-line message names the key (and suggests the closest known one), and the daemon
 refuses to start with it. ``docs/config.md`` documents the same keys.
 
-The ``[triggers]`` and ``[migration]`` sections belong to the trigger and migration code; when
-that code offers ``parse_triggers`` / ``parse_migration`` they are parsed by it,
-otherwise they are kept as raw tables.
+The ``[triggers]`` and ``[migration]`` tables and each workload's trigger policy keys belong to
+reclaim: ``gpusnap.daemon.reclaim.config`` parses them into its typed, frozen tables.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.daemon.reclaim.config import POLICY_KEYS, parse_workload_policy
+from gpusnap.daemon.config_table import Table
+from gpusnap.daemon.reclaim.config import (
+    POLICY_KEYS,
+    MigrationConfig,
+    TriggersConfig,
+    WorkloadPolicy,
+    parse_migration,
+    parse_triggers,
+    parse_workload_policy,
+)
 from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage.backend import BackendOptions, registered_schemes
 from gpusnap.storage.keys import load_encryption_key, load_signing_key
@@ -61,7 +67,7 @@ class DaemonSection:
     # tmpfs or local NVMe here keeps dump and restore off slower disks.
     staging_dir: Path | None = None
     criu_log_level: int = 4  # criu -v0..-v4 for its per-job log (kept only on failure)
-    # Upload page images while CRIU writes them (a first checkpoint: daemon/dumpstream.py).
+    # Upload page images while CRIU writes them (a first checkpoint: daemon/host/pagestream.py).
     upload_during_dump: bool = True
 
 
@@ -107,9 +113,9 @@ class WorkloadConfig:
     engine_probed: bool = False  # engine = "probed": read from the process at checkpoint time
     model: ModelSpec | None = None
     start: StartSpec | None = None
-    # Trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), checked
-    # and interpreted by gpusnap.daemon.reclaim.config.
-    policy: Mapping[str, Any] = field(default_factory=dict)
+    # The trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), as
+    # gpusnap.daemon.reclaim.config reads them; None: the defaults.
+    policy: WorkloadPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -132,8 +138,8 @@ class Config:
     workloads: tuple[WorkloadConfig, ...]
     gpu: GpuSection
     metrics: MetricsSection
-    triggers: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
-    migration: Any  # parsed by gpusnap.daemon.reclaim.config when it can, else the raw table
+    triggers: TriggersConfig
+    migration: MigrationConfig
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     def workload(self, name: str) -> WorkloadConfig | None:
@@ -182,18 +188,14 @@ def check_key_files(store: StoreSection) -> None:
 
 
 def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config:
-    top = _Table(data, "config")
+    top = Table(data, "config")
     daemon = _parse_daemon(top.table("daemon"))
     store = _parse_store(top.table("store"))
     workloads = _parse_workloads(top.array_of_tables("workload"))
     gpu = _parse_gpu(top.table("gpu"))
     metrics = _parse_metrics(top.table("metrics"))
-    triggers = _parse_plugged(
-        top.raw_table("triggers"), "gpusnap.daemon.reclaim.config", "parse_triggers"
-    )
-    migration = _parse_plugged(
-        top.raw_table("migration"), "gpusnap.daemon.reclaim.config", "parse_migration"
-    )
+    triggers = parse_triggers(top.raw_table("triggers"))
+    migration = parse_migration(top.raw_table("migration"))
     top.done()
     _check_store_keys(store)
     return Config(
@@ -212,7 +214,7 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
 # --- sections ---------------------------------------------------------------------------------
 
 
-def _parse_daemon(t: _Table) -> DaemonSection:
+def _parse_daemon(t: Table) -> DaemonSection:
     d = DaemonSection()
     tcp_t = t.table("tcp", optional=True)
     tcp: TcpListener | None = None
@@ -236,17 +238,17 @@ def _parse_daemon(t: _Table) -> DaemonSection:
         upload_during_dump=_or(t.boolean("upload_during_dump"), d.upload_during_dump),
     )
     if section.criu_log_level > 4:
-        raise t._bad("criu_log_level", "must be 0 to 4 (criu -v0 .. -v4)")
+        raise t.bad("criu_log_level", "must be 0 to 4 (criu -v0 .. -v4)")
     length = len(os.fsencode(str(section.socket)))
     if length > MAX_SOCKET_PATH_BYTES:
-        raise t._bad(
+        raise t.bad(
             "socket", f"path too long for a unix socket ({length} > {MAX_SOCKET_PATH_BYTES} bytes)"
         )
     t.done()
     return section
 
 
-def _parse_store(t: _Table) -> StoreSection:
+def _parse_store(t: Table) -> StoreSection:
     url = t.string("url") or DEFAULT_STORE_URL
     _check_store_url(url)
     o = BackendOptions()
@@ -314,7 +316,7 @@ def _check_store_url(url: str) -> None:
         raise InvalidArgument(f"config: [store] url: {url!r} names no bucket (s3://bucket/prefix)")
 
 
-def _parse_workloads(tables: list[_Table]) -> tuple[WorkloadConfig, ...]:
+def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
     out: list[WorkloadConfig] = []
     seen: set[str] = set()
     for t in tables:
@@ -383,9 +385,8 @@ def _parse_workloads(tables: list[_Table]) -> tuple[WorkloadConfig, ...]:
                 user=st.string("user"),
             )
             st.done()
-        policy = {k: t.get(k) for k in _POLICY_KEYS if t.data.get(k) is not None}
-        if policy:
-            parse_workload_policy(name, policy)  # the trigger code owns these keys (issue 5)
+        policy_keys = {k: t.get(k) for k in _POLICY_KEYS if t.data.get(k) is not None}
+        policy = parse_workload_policy(name, policy_keys) if policy_keys else None
         out.append(
             WorkloadConfig(
                 name=name,
@@ -403,7 +404,7 @@ def _parse_workloads(tables: list[_Table]) -> tuple[WorkloadConfig, ...]:
     return tuple(out)
 
 
-def _parse_gpu(t: _Table) -> GpuSection:
+def _parse_gpu(t: Table) -> GpuSection:
     g = GpuSection()
     section = GpuSection(
         driver=t.choice("driver", ("auto", "cuda", "none")) or g.driver,
@@ -414,160 +415,11 @@ def _parse_gpu(t: _Table) -> GpuSection:
     return section
 
 
-def _parse_metrics(t: _Table) -> MetricsSection:
+def _parse_metrics(t: Table) -> MetricsSection:
     section = MetricsSection(listen=t.host_port("listen"))
     t.done()
     return section
 
 
-def _parse_plugged(raw: dict[str, Any], module: str, func: str) -> Any:
-    """Hand a section to its owner's parser when that code exists; keep it raw otherwise."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return raw
-    parser: Callable[[dict[str, Any]], Any] | None = getattr(mod, func, None)
-    if parser is None:
-        return raw
-    return parser(raw)
-
-
 def _or(value: _T | None, default: _T) -> _T:
     return default if value is None else value
-
-
-# --- checked access to one TOML table ---------------------------------------------------------
-
-
-class _Table:
-    """A TOML table whose keys are consumed one by one; ``done()`` rejects what is left."""
-
-    def __init__(self, data: Mapping[str, Any], where: str) -> None:
-        self.data = data
-        self.where = where
-        self.used: set[str] = set()
-
-    def get(self, key: str) -> Any:
-        self.used.add(key)
-        return self.data.get(key)
-
-    def _bad(self, key: str, what: str) -> InvalidArgument:
-        value = self.data.get(key)
-        return InvalidArgument(f"{self.where}: key '{key}': {what} (got {value!r})")
-
-    def _missing(self, key: str) -> InvalidArgument:
-        return InvalidArgument(f"{self.where}: missing key '{key}'")
-
-    def string(self, key: str, *, required: bool = False) -> str | None:
-        v = self.get(key)
-        if v is None:
-            if required:
-                raise self._missing(key)
-            return None
-        if not isinstance(v, str) or not v:
-            raise self._bad(key, "must be a non-empty string")
-        return v
-
-    def choice(self, key: str, allowed: tuple[str, ...]) -> str | None:
-        v = self.string(key)
-        if v is not None and v not in allowed:
-            raise self._bad(key, f"must be one of {', '.join(allowed)}")
-        return v
-
-    def path(self, key: str, *, required: bool = False) -> Path | None:
-        v = self.string(key, required=required)
-        if v is None:
-            return None
-        if not v.startswith("/"):
-            raise self._bad(key, "must be an absolute path")
-        return Path(v)
-
-    def host_port(self, key: str, *, required: bool = False) -> str | None:
-        v = self.string(key, required=required)
-        if v is None:
-            return None
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise self._bad(key, "must be HOST:PORT")
-        return v
-
-    def integer(self, key: str, *, minimum: int | None = None) -> int | None:
-        v = self.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise self._bad(key, "must be an integer")
-        if minimum is not None and v < minimum:
-            raise self._bad(key, f"must be at least {minimum}")
-        return v
-
-    def number(self, key: str, *, minimum: float | None = None) -> float | None:
-        v = self.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            raise self._bad(key, "must be a number")
-        if minimum is not None and v < minimum:
-            raise self._bad(key, f"must be at least {minimum}")
-        return float(v)
-
-    def boolean(self, key: str) -> bool | None:
-        v = self.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, bool):
-            raise self._bad(key, "must be true or false")
-        return v
-
-    def string_list(self, key: str, *, required: bool = False) -> list[str] | None:
-        v = self.get(key)
-        if v is None:
-            if required:
-                raise self._missing(key)
-            return None
-        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise self._bad(key, "must be a list of strings")
-        return list(v)
-
-    def string_map(self, key: str) -> dict[str, str] | None:
-        v = self.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
-            raise self._bad(key, "must be a table of strings")
-        return dict(v)
-
-    def raw_table(self, key: str) -> dict[str, Any]:
-        v = self.get(key)
-        if v is None:
-            return {}
-        if not isinstance(v, dict):
-            raise self._bad(key, "must be a table")
-        return dict(v)
-
-    def table(self, key: str, *, optional: bool = False) -> Any:
-        v = self.get(key)
-        where = f"config: [{key}]" if self.where == "config" else f"{self.where} {key}"
-        if v is None:
-            return None if optional else _Table({}, where)
-        if not isinstance(v, dict):
-            raise self._bad(key, "must be a table")
-        return _Table(v, where)
-
-    def array_of_tables(self, key: str) -> list[_Table]:
-        v = self.get(key)
-        if v is None:
-            return []
-        if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
-            raise self._bad(key, f"must be an array of tables ([[{key}]])")
-        return [_Table(x, f"config: [[{key}]] #{i}") for i, x in enumerate(v, start=1)]
-
-    def done(self) -> None:
-        for key in self.data:
-            if key not in self.used:
-                hint = difflib.get_close_matches(key, sorted(self.used), n=1, cutoff=0.6)
-                suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
-                where = self.where
-                if where == "config":
-                    raise InvalidArgument(f"config: unknown section or key '{key}'{suggestion}")
-                raise InvalidArgument(f"{where}: unknown key '{key}'{suggestion}")

@@ -3,8 +3,8 @@
 Start order: config (an error is one line and exit 2; key files must load) -> the state
 dir's lock (another daemon holds it: one line, exit 1, nothing touched) -> CRIU check (missing
 or too old: one actionable line, exit 1) -> journal recovery, staging cleanup, store
-(unreachable: a warning; jobs fail with Unavailable until it is back) -> trigger manager
-(issue 5, when present) -> the gRPC socket -> ``READY=1`` and the watchdog.
+(unreachable: a warning; jobs fail with Unavailable until it is back) -> reclaim (watchers,
+policy, standby: ``daemon/reclaim/``) -> the gRPC socket -> ``READY=1`` and the watchdog.
 SIGTERM/SIGINT: ``STOPPING=1``, the shutdown hooks (a reclaim checkpoint may run there),
 running jobs get time to finish while systemd is asked for more (``EXTEND_TIMEOUT_USEC``),
 then exit 0.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib
 import json
 import logging
 import os
@@ -27,10 +26,12 @@ from typing import Any
 
 from gpusnap import __version__
 from gpusnap.daemon import sdnotify
+from gpusnap.daemon.api import TcpListenerConfig, start_server, stop_server
 from gpusnap.daemon.config import DEFAULT_CONFIG_PATH, Config, load_config
-from gpusnap.daemon.criu import Criu, systemd_running
-from gpusnap.daemon.grpc_server import TcpListenerConfig, start_server, stop_server
+from gpusnap.daemon.host.criu import Criu, systemd_running
 from gpusnap.daemon.metrics import start_metrics_server
+from gpusnap.daemon.reclaim.config import WorkloadPolicy
+from gpusnap.daemon.reclaim.runtime import ReclaimRuntime
 from gpusnap.daemon.service import DaemonService
 from gpusnap.daemon.statedir import StateDirLock
 from gpusnap.errors import (
@@ -97,17 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _start_triggers(service: DaemonService, config: Config) -> None:
-    """Issue 5 wires its TriggerManager here through ``start_triggers(service, config)``."""
-    try:
-        wiring = importlib.import_module("gpusnap.daemon.reclaim.plug")
-    except ModuleNotFoundError as exc:
-        if exc.name != "gpusnap.daemon.reclaim.plug":
-            raise
-        return
-    manager = wiring.start_triggers(service, config)
-    if manager is not None:
-        service.attach_triggers(manager)
+def _start_reclaim(service: DaemonService, config: Config) -> None:
+    """Watchers, policy, logind and the standby loop (docs/triggers.md), from the typed config."""
+    runtime = ReclaimRuntime(
+        service,
+        config.triggers,
+        config.migration,
+        [w.policy or WorkloadPolicy(w.name) for w in config.workloads],
+        daemon_node_id=config.daemon.node_id,
+        store_verifies=config.store.verify,
+    )
+    runtime.start()
+    service.attach_reclaim(runtime)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not systemd_running():
         # Where PID 1 is not systemd it may reap nothing: adopt the orphans of restored trees
-        # (whose roots are our children, see flows.run_restore) and reap them ourselves.
+        # (whose roots are our children, see restore.run_restore) and reap them ourselves.
         _set_child_subreaper()
     stop = threading.Event()
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     try:
-        _start_triggers(service, config)
+        _start_reclaim(service, config)
         tcp = config.daemon.tcp
         server = start_server(
             service,

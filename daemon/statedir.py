@@ -1,5 +1,10 @@
-"""The daemon's claim on its state directory: one gpusnapd per state dir, for its whole life.
+"""The daemon's state directory: its layout, and the daemon's claim on it for its whole life.
 
+``StateDirs`` names what lives there: the journal and the lock in ``state_dir``, each job's
+images under ``staging`` (``[daemon] staging_dir``, default ``<state_dir>/staging``), CRIU's
+and cold starts' logs under ``logs``, images a failed rescue could not restore under ``kept``.
+
+One gpusnapd per state dir.
 A daemon's start cleans up after a crash — the journal marks unfinished jobs interrupted and
 their staging images are deleted. Done by a second daemon started on the same config while the
 first still runs, that cleanup would delete the first daemon's in-flight images (for a kill-mode
@@ -20,13 +25,66 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+from gpusnap.daemon.jobs.job import JOB_ID
 from gpusnap.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "gpusnapd.lock"
+
+
+@dataclass(frozen=True)
+class StateDirs:
+    """Where this daemon keeps its state, a job's images and its logs."""
+
+    state: Path
+    staging: Path
+    logs: Path
+    staging_configured: bool = False  # ``[daemon] staging_dir`` given: it may be shared
+
+    @classmethod
+    def of(cls, state_dir: Path, staging_dir: Path | None) -> StateDirs:
+        return cls(
+            state=state_dir,
+            staging=staging_dir or state_dir / "staging",
+            logs=state_dir / "logs",
+            staging_configured=staging_dir is not None,
+        )
+
+    def prepare(self) -> None:
+        """Create them; images hold the workload's memory, so only root may read them."""
+        prepare_dir(self.state, "state_dir")
+        prepare_dir(self.staging, "staging_dir" if self.staging_configured else "state_dir")
+        prepare_dir(self.logs, "state_dir", mode=0o755)
+
+    def job_staging(self, job_id: str) -> Path:
+        """A job's own directory under staging, removed when the job ends."""
+        return self.staging / job_id
+
+    def kept(self, job_id: str) -> Path:
+        """Where a rescue that could not restore keeps the job's images."""
+        return self.state / "kept" / job_id
+
+    def kept_beside(self, job_id: str) -> Path:
+        """Where they go when ``kept`` cannot take them: a rename within staging (one file
+        system), named so that neither the job's end nor the next start removes it."""
+        return self.staging / f"kept-{job_id}"
+
+    def clean_staging(self) -> None:
+        """At start no job runs, so every job's directory under staging is a leftover. Only
+        entries named like a job id are touched: a configured ``staging_dir`` may be shared."""
+        for entry in self.staging.iterdir():
+            if not JOB_ID.fullmatch(entry.name):
+                continue
+            log.info("removing leftover staging %s", entry)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def prepare_dir(path: Path, key: str, *, mode: int = 0o700) -> None:

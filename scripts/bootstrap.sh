@@ -28,7 +28,22 @@ if ((${#need_apt[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
 fi
 
+# The systemd tests (tests/systemd/test_nspawn.py) boot a Debian rootfs, built by debootstrap,
+# with systemd-nspawn. systemd-container at the installed systemd's version where the archive
+# still has it, so that installing it never upgrades systemd itself as a side effect.
+nspawn_pkgs=()
+command -v debootstrap >/dev/null 2>&1 || nspawn_pkgs+=(debootstrap)
+command -v systemd-nspawn >/dev/null 2>&1 || nspawn_pkgs+=(systemd-container)
+if ((${#nspawn_pkgs[@]})); then
+  echo "bootstrap: installing ${nspawn_pkgs[*]}" >&2
+  apt-get update -qq
+  pinned=("${nspawn_pkgs[@]/#systemd-container/systemd-container=$(dpkg-query -W -f='${Version}' systemd 2>/dev/null)}")
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pinned[@]}" >/dev/null 2>&1 \
+    || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${nspawn_pkgs[@]}" >/dev/null
+fi
+
 bash scripts/install-criu.sh
+bash scripts/install-containers.sh
 
 py=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -6,8 +6,9 @@
 #              bounds"), so Debian 13's criu and the libraries it needs are downloaded from the
 #              trixie suite, unpacked (dpkg -x, nothing is installed) into $PREFIX, and run through
 #              the prefix's own dynamic loader by a wrapper at $WRAPPER. The trixie suite is added
-#              to apt with a pin of priority 1, so apt never installs or upgrades anything from it
-#              by itself; we only ever ask for explicit `pkg/trixie` downloads.
+#              to apt (unless a trixie source is configured already: that one is used) with a pin
+#              of priority 1, so apt never installs or upgrades anything from it by itself; we
+#              only ever ask for explicit `pkg/trixie` downloads.
 #
 # Idempotent: when a working criu >= 4.0 is already there it only checks and exits.
 # See docs/operations-criu.md.
@@ -170,11 +171,28 @@ install_from_apt() {
   summary "$bin" "apt"
 }
 
+# Where apt already reads a "trixie main" deb source from, other than our own file ("FILE:LINE"
+# as apt names it), or nothing. apt itself parses every sources format, so this is its answer.
+trixie_source_elsewhere() {
+  apt-get indextargets --no-release-info \
+    --format '$(TARGET_OF) $(RELEASE) $(COMPONENT) $(IDENTIFIER) $(SOURCESENTRY)' 2>/dev/null \
+    | awk -v ours="$TRIXIE_SOURCES:" '$1 == "deb" && $2 == "trixie" && $3 == "main" &&
+        $4 == "Packages" && index($5, ours) != 1 { print $5; exit }'
+}
+
 install_private_trixie() {
   [ "$arch" = amd64 ] || die "the Debian 12 path supports amd64 only (this is $arch); install CRIU >= 4.0 by hand"
   log "Debian 12: fetching Debian 13's criu into $PREFIX (system packages are not touched)"
 
-  if [ ! -f "$TRIXIE_SOURCES" ]; then
+  # A trixie source the admin configured already is used as it is: a second one for the same
+  # suite makes apt warn "configured multiple times" on every run. Ours, from an earlier run,
+  # goes then.
+  local configured
+  configured=$(trixie_source_elsewhere)
+  if [ -n "$configured" ]; then
+    log "using the Debian 13 source already configured in $configured"
+    rm -f "$TRIXIE_SOURCES"
+  elif [ ! -f "$TRIXIE_SOURCES" ]; then
     cat >"$TRIXIE_SOURCES" <<'EOF'
 # Added by gpusnap scripts/install-criu.sh: Debian 13's criu is unpacked into /opt/gpusnap/criu.
 # Pinned to priority 1 in /etc/apt/preferences.d/gpusnap-trixie: apt never installs or upgrades

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.storage.backend import Backend
+from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.identity import IdentityCell, StoreIdentity, read_identity
@@ -84,6 +85,8 @@ class StoreContext:
     pools: Pools
     identity: IdentityCell
     options: StoreOptions = StoreOptions()
+    # This store's part of the node's chunk cache (``storage/cache``), when there is one.
+    cache: StoreCache | None = None
 
     @property
     def store_identity(self) -> StoreIdentity | None:
@@ -109,12 +112,18 @@ def open_context(
     workers: int | None = None,
     chunker: Chunker | None = None,
     options: StoreOptions | None = None,
+    chunk_cache: ChunkCache | None = None,
 ) -> StoreContext:
-    """The context of the store on ``backend``; the backend is the caller's to close on error."""
+    """The context of the store on ``backend``; the backend is the caller's to close on error.
+
+    ``chunk_cache`` (the node's, the caller's to close) is read before the store and filled
+    from it; the context uses this store's scope of it only (``cache_key``).
+    """
     found = read_identity(backend, keys)
     if chunker is None:
         chunker = Chunker(found.identity.chunking) if found.identity else Chunker()
     cache = cache_dir or default_cache_dir(backend.url)
+    codec = ChunkCodec(keys.encryption)
     index = ChunkIndex(cache / "index.sqlite", backend.url)
     try:
         # Only an authenticated identity rebinds (and so may empty) the index here: a reader
@@ -128,10 +137,28 @@ def open_context(
     return StoreContext(
         backend=backend,
         keys=keys,
-        codec=ChunkCodec(keys.encryption),
+        codec=codec,
         chunker=chunker,
         index=index,
         pools=pools,
         identity=IdentityCell(found),
         options=options or StoreOptions(),
+        cache=None if chunk_cache is None else _store_cache(chunk_cache, backend, codec),
     )
+
+
+def cache_key(backend: Backend) -> str:
+    """What the node's chunk cache knows this store by: its URL. Not the store id (issue 12):
+    the cache only ever serves objects that are verified against their chunk id on every
+    read, so it needs no identity to be safe, and keying it by the id would throw away every
+    cached object of a store that gets (or changes) one: a migrated store, or one recreated
+    while this node still holds the chunks its checkpoints need."""
+    return backend.url
+
+
+def _store_cache(cache: ChunkCache, backend: Backend, codec: ChunkCodec) -> StoreCache:
+    # The id the store would give a fixed string: the same for every reader with the same
+    # chunk-naming key (none, or the encryption key), different for any other, and saying
+    # nothing about the key. Objects read with another key never meet this one's.
+    fingerprint = codec.chunk_id(b"gpusnap chunk cache scope")
+    return StoreCache.open(cache, cache_key(backend), fingerprint, backend.url)

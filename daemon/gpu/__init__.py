@@ -1,9 +1,16 @@
 """GPU state: checkpoint and restore CUDA processes through the CUDA driver's checkpoint API.
 
-``GpuCoordinator`` is the daemon's entry point; ``GpuFreeze`` is what a freeze did. Driver
-calls run in a separate worker process (``worker``), never in the daemon, so this package
-must not import ``cuda`` at import time; only ``driver`` (loaded by the worker) does. It must
-not import the fake driver in ``tests/``: that is loaded by import path at run time.
+``GpuCoordinator`` is the daemon's entry point (the policy: lock all, checkpoint each, roll
+back, restore with UUID pairs); ``GpuFreeze`` is what a freeze did; ``adapter`` is the view the
+rest of the daemon has (``GpuAdapter``, or ``NoGpu`` when GPU support is off);
+``custom_storage`` copies device memory itself where the driver offers it. Driver calls run in
+a separate worker process (``worker``), never in the daemon.
+
+Must not import ``cuda`` at import time (only ``driver``, loaded by the worker, does), nor the
+fake driver in ``tests/`` (loaded by import path at run time), nor ``gpusnap.storage``: what
+custom storage copies out or in goes through the sink and source callables the checkpoint and
+restore bodies give it (``daemon/gpu_memory.py``). Imports only ``daemon/verdict.py`` and
+``gpusnap.errors`` outside itself.
 """
 
 from gpusnap.daemon.gpu.coordinator import GpuCoordinator, GpuFreeze

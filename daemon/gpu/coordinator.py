@@ -9,9 +9,10 @@ decides which to make and in what order:
 - thaw (leave-running): restore all, then unlock all.
 - restore (after CRIU restore): check free memory, restore each with GPU UUID pairs, unlock all.
 
-Where the driver offers custom storage and the caller hands ``freeze`` a store, each process's
-device memory is copied by the daemon straight into the store (``devmem``) instead of being
-staged in the process's host memory; ``restore`` then fills it back from the store.
+Where the driver offers custom storage and the caller hands ``freeze`` a ``CustomStorage``,
+each process's device memory is copied by the daemon into its sink (``custom_storage``) instead
+of being staged in the process's host memory; ``restore`` then fills it back from a source.
+The sink and the source are the caller's: this layer never sees the store.
 """
 
 from __future__ import annotations
@@ -20,20 +21,19 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpusnap.daemon.gpu import devmem
 from gpusnap.daemon.gpu.compat import gpu_compat_reasons, target_devices
-from gpusnap.daemon.gpu.inventory import (
-    CHECKPOINT_API_MIN,
-    GPU_REMAP_MIN,
-    build_stamp,
-    cuda_version_text,
-    parse_nvrm_version,
+from gpusnap.daemon.gpu.custom_storage import (
+    CustomStorage,
+    MemorySource,
+    checkpoint_process,
+    restore_process,
 )
+from gpusnap.daemon.gpu.inventory import build_stamp, cuda_version_text, probe_capabilities
 from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.gpu.worker import CallFailed, GpuWorker
-from gpusnap.daemon.model import Reason
+from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,
@@ -42,11 +42,6 @@ from gpusnap.errors import (
     Unsupported,
     with_message,
 )
-from gpusnap.storage.manifest import Manifest
-from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, UploadedStreams
-
-if TYPE_CHECKING:
-    from gpusnap.storage.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +66,9 @@ class GpuFreeze:
     checkpoint_seconds: float = 0.0
     memory_copy: str = HOST_STAGED
     # Custom storage: one entry per process and device ({pid, position, uuid, path, size}),
-    # and the streams already in the store, for ``CheckpointStore.push(uploaded_streams=)``.
+    # and where they went (a thaw or a roll-back reads them back from its source).
     memory_files: list[dict[str, Any]] = field(default_factory=list)
-    uploaded_streams: UploadedStreams | None = None
-    store: CheckpointStore | None = field(default=None, repr=False)
+    custom_storage: CustomStorage | None = field(default=None, repr=False)
 
     def to_stamp(self) -> dict[str, Any]:
         """Fields merged into the stamp's ``gpu`` section (none collide with ``stamp()``)."""
@@ -142,51 +136,8 @@ class GpuCoordinator:
     def capabilities(self) -> dict[str, Any]:
         """Probed once, lazily. Without a driver: ``driver_present`` False and one-line message."""
         if self._caps is None:
-            self._caps = self._probe()
+            self._caps = probe_capabilities(self._worker)
         return dict(self._caps)
-
-    def _probe(self) -> dict[str, Any]:
-        caps: dict[str, Any] = {
-            "driver_present": False,
-            "message": "",
-            "driver_version": None,
-            "driver_version_line": None,
-            "cuda_driver_version": None,
-            "checkpoint_api": False,
-            "gpu_remap": False,
-            "custom_storage": False,
-            "devices": [],
-        }
-        try:
-            self._worker.call("init")
-            version = int(self._worker.call("driver_version"))
-            line = self._worker.call("driver_version_string")
-            caps["devices"] = list(self._worker.call("devices"))
-            caps["custom_storage"] = bool(self._worker.call("custom_storage_supported"))
-        except GpusnapError as err:
-            caps["message"] = f"GPU checkpointing unavailable: {err}"
-            log.info("%s", caps["message"])
-            return caps
-        caps.update(
-            driver_present=True,
-            driver_version=parse_nvrm_version(line),
-            driver_version_line=line,
-            cuda_driver_version=version,
-            checkpoint_api=version >= CHECKPOINT_API_MIN,
-            gpu_remap=version >= GPU_REMAP_MIN,
-        )
-
-        def yes(flag: str) -> str:
-            return "yes" if caps[flag] else "no"
-
-        caps["message"] = (
-            f"NVIDIA driver {caps['driver_version'] or 'unknown'} "
-            f"(CUDA {cuda_version_text(version)}), {len(caps['devices'])} GPU(s); "
-            f"checkpoint API {yes('checkpoint_api')}, GPU remap {yes('gpu_remap')}, "
-            f"custom storage {yes('custom_storage')}"
-        )
-        log.info("%s", caps["message"])
-        return caps
 
     def stamp(self) -> dict[str, Any]:
         return build_stamp(self.capabilities())
@@ -239,7 +190,7 @@ class GpuCoordinator:
     # -- freeze / thaw ------------------------------------------------------------------
 
     def uses_custom_storage(self) -> bool:
-        """Whether a freeze given a store copies device memory itself (custom storage)."""
+        """Whether a freeze given a ``CustomStorage`` copies device memory itself."""
         return self.custom_storage and bool(self.capabilities()["custom_storage"])
 
     def freeze(
@@ -247,13 +198,12 @@ class GpuCoordinator:
         pids: list[int],
         *,
         lock_timeout_ms: int | None = None,
-        store: CheckpointStore | None = None,
+        custom_storage: CustomStorage | None = None,
     ) -> GpuFreeze:
         """Lock every CUDA process among ``pids``, then checkpoint each. Rolls back on failure.
 
-        Given a ``store`` and a driver with custom storage, each process's device memory is
-        copied into the store (``GpuFreeze.uploaded_streams``) rather than staged by the
-        driver in the process's host memory.
+        Given ``custom_storage`` and a driver that offers it, each process's device memory is
+        copied into its sink rather than staged by the driver in the process's host memory.
         """
         caps = self.capabilities()
         if not caps["driver_present"]:
@@ -276,7 +226,7 @@ class GpuCoordinator:
             cuda_pids.append(pid)
         if not cuda_pids:
             return GpuFreeze(cuda_pids=[])
-        custom = store is not None and self.uses_custom_storage()
+        custom = custom_storage is not None and self.uses_custom_storage()
         log.info(
             "freezing GPU state of processes %s (%s)",
             cuda_pids,
@@ -285,7 +235,7 @@ class GpuCoordinator:
         freeze = GpuFreeze(
             cuda_pids=cuda_pids,
             memory_copy=CUSTOM_STORAGE if custom else HOST_STAGED,
-            store=store if custom else None,
+            custom_storage=custom_storage if custom else None,
         )
         try:
             before = self._free_by_uuid()
@@ -296,11 +246,13 @@ class GpuCoordinator:
                 )
             locked = time.monotonic()
             if custom:
-                assert store is not None
+                assert custom_storage is not None
                 with HostRing(self.ring_slots, self.ring_slot_bytes) as ring:
                     try:
                         for pid in cuda_pids:
-                            self._checkpoint_to_store(pid, store, ring, freeze)
+                            freeze.memory_files += checkpoint_process(
+                                self._worker, ring, pid, custom_storage.sink
+                            )
                     finally:
                         self._detach(ring)
             else:
@@ -330,52 +282,19 @@ class GpuCoordinator:
         except GpusnapError as err:
             log.info("could not detach ring %s from the GPU worker: %s", ring.name, err)
 
-    def _checkpoint_to_store(
-        self, pid: int, store: CheckpointStore, ring: HostRing, freeze: GpuFreeze
-    ) -> None:
-        """Custom storage: map ``pid``'s device memory, stream it into ``store``, complete."""
-        self._worker.call("ring_attach", ring.name, ring.size)
-        info = dict(self._worker.call("checkpoint_custom_storage", pid))
-        handle = int(info["handle"])
-        log.info("copying GPU memory of process %d (%s)", pid, devmem.describe(info))
-        streams: dict[str, StreamSource] = {}
-        files: list[dict[str, Any]] = []
-        for position, dev in enumerate(info["devices"]):
-            size = int(dev["size"])
-            path = devmem.memory_path(pid, position, str(dev["uuid"]))
-            buffers = devmem.read_device(self._worker, ring, handle, position, size)
-            streams[path] = StreamSource(size, buffers, GPU_MEMORY_KIND)
-            files.append(
-                {"pid": pid, "position": position, "uuid": dev["uuid"], "path": path, "size": size}
-            )
-        try:
-            uploaded = store.upload_streams(streams)
-        except GpusnapError:
-            # Completing now would let the driver drop memory that is not safely stored:
-            # kill the worker instead, which drops its mappings (the driver is assumed to
-            # abandon the operation; unverified on hardware).
-            self._worker.kill()
-            raise
-        self._worker.call("operation_complete", handle)
-        freeze.memory_files.extend(files)
-        if freeze.uploaded_streams is None:
-            freeze.uploaded_streams = uploaded
-        else:
-            freeze.uploaded_streams.merge(uploaded)
-
     def _roll_back(self, pids: list[int], freeze: GpuFreeze | None = None) -> str:
         """Put every process back to RUNNING by its current state; say how that went."""
         problems: list[str] = []
         states = self._states(pids)
-        in_store = {int(m["pid"]) for m in freeze.memory_files} if freeze is not None else set()
-        if in_store and freeze is not None:
-            # Their device memory exists only in the store now: put it back from there.
+        copied = {int(m["pid"]) for m in freeze.memory_files} if freeze is not None else set()
+        if copied and freeze is not None:
+            # Their device memory exists only in the sink now: put it back from there.
             try:
-                self._thaw_from_store(freeze, [p for p in pids if p in in_store])
+                self._thaw_from_source(freeze, [p for p in pids if p in copied])
             except GpusnapError as err:
                 problems.append(str(err))
         for pid in pids:
-            if states[pid] == "CHECKPOINTED" and pid not in in_store:
+            if states[pid] == "CHECKPOINTED" and pid not in copied:
                 try:
                     self._worker.call("restore", pid, None)
                 except GpusnapError as err:
@@ -399,29 +318,18 @@ class GpuCoordinator:
         """Leave-running: restore every frozen process, then unlock every one."""
         if freeze.memory_copy == CUSTOM_STORAGE and freeze.memory_files:
             try:
-                self._thaw_from_store(freeze, freeze.cuda_pids)
+                self._thaw_from_source(freeze, freeze.cuda_pids)
             except GpusnapError as err:
                 now = self._states(freeze.cuda_pids)
                 where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
                 raise with_message(err, f"GPU thaw failed: {err}; {where}") from err
         self._resume(freeze.cuda_pids, None, "thaw")
 
-    def _thaw_from_store(self, freeze: GpuFreeze, pids: list[int]) -> None:
-        """Custom storage put the memory in the store only: fill it back from there."""
-        if freeze.store is None or freeze.uploaded_streams is None:
+    def _thaw_from_source(self, freeze: GpuFreeze, pids: list[int]) -> None:
+        """Custom storage put the memory in its sink only: fill it back from the source."""
+        if freeze.custom_storage is None:
             raise FailedPrecondition("the frozen GPU memory is in no store; cannot thaw")
-        staged = Manifest(
-            checkpoint_id="(not yet committed)",
-            workload="gpu-freeze",
-            created_at=time.time(),
-            parent=None,
-            stamp={},
-            spec={},
-            files=list(freeze.uploaded_streams.entries),
-            totals={},
-            extra={},
-        )
-        self._restore_from_store(pids, freeze.memory_files, None, freeze.store, staged)
+        self._refill(pids, freeze.memory_files, None, freeze.custom_storage.source)
 
     def _resume(self, pids: list[int], pairs: list[list[str]] | None, what: str) -> None:
         states = {pid: self._state(pid) for pid in pids}
@@ -470,13 +378,12 @@ class GpuCoordinator:
         gpu_stamp: dict[str, Any],
         *,
         gpu_map: dict[str, str] | None = None,
-        store: CheckpointStore | None = None,
-        manifest: Manifest | None = None,
+        source: MemorySource | None = None,
     ) -> None:
         """After CRIU restore: put the processes' GPU state back (UUID-remapped), then unlock.
 
-        A checkpoint taken with custom storage needs its ``store`` and ``manifest``: the device
-        memory is read from there straight into the memory the driver maps for the restore.
+        A checkpoint taken with custom storage needs the ``source`` of its device memory: it
+        is read from there straight into the memory the driver maps for the restore.
         """
         caps = self.capabilities()
         if not gpu_stamp.get("present"):
@@ -498,25 +405,24 @@ class GpuCoordinator:
         cuda_pids = [pid for pid in pids if self._state(pid) is not None]
         if gpu_stamp.get("memory_copy") == CUSTOM_STORAGE:
             files = list(gpu_stamp.get("memory_files") or [])
-            self._restore_from_store(cuda_pids, files, pairs, store, manifest)
+            self._refill(cuda_pids, files, pairs, source)
         self._resume(cuda_pids, pairs, "restore")
 
-    def _restore_from_store(
+    def _refill(
         self,
         pids: list[int],
         memory_files: list[dict[str, Any]],
         pairs: list[list[str]] | None,
-        store: CheckpointStore | None,
-        manifest: Manifest | None,
+        source: MemorySource | None,
     ) -> None:
         """Custom storage: restore each process with its memory mapped here, fill it, complete.
 
         Leaves every process LOCKED for ``_resume`` to unlock.
         """
-        if store is None or manifest is None:
+        if source is None:
             raise FailedPrecondition(
                 "the checkpoint's GPU memory is in the store (custom storage); the restore "
-                "needs the store and manifest; processes stay CHECKPOINTED"
+                "needs a source to read it from; processes stay CHECKPOINTED"
             )
         if not self.capabilities()["custom_storage"]:
             raise Unsupported(
@@ -534,8 +440,8 @@ class GpuCoordinator:
                 for pid in pids:
                     if self._state(pid) != "CHECKPOINTED":
                         continue
-                    self._fill_from_store(
-                        pid, files=files, pairs=pairs, store=store, manifest=manifest, ring=ring
+                    restore_process(
+                        self._worker, ring, pid, files=files, pairs=pairs, source=source
                     )
             except GpusnapError as err:
                 now = self._states(pids)
@@ -543,45 +449,6 @@ class GpuCoordinator:
                 raise with_message(err, f"GPU restore failed: {err}; {where}") from err
             finally:
                 self._detach(ring)
-
-    def _fill_from_store(
-        self,
-        pid: int,
-        *,
-        files: dict[tuple[int, str], dict[str, Any]],
-        pairs: list[list[str]] | None,
-        store: CheckpointStore,
-        manifest: Manifest,
-        ring: HostRing,
-    ) -> None:
-        info = dict(self._worker.call("restore_custom_storage", pid, pairs))
-        handle = int(info["handle"])
-        try:
-            for position, dev in enumerate(info["devices"]):
-                found = files.get((pid, str(dev["uuid"])))
-                if found is None:
-                    raise FailedPrecondition(
-                        f"the checkpoint holds no GPU memory of process {pid} for GPU {dev['uuid']}"
-                    )
-                if int(found["size"]) != int(dev["size"]):
-                    raise FailedPrecondition(
-                        f"GPU {dev['uuid']} maps {dev['size']} bytes for process {pid}, the "
-                        f"checkpoint holds {found['size']}"
-                    )
-                devmem.fill_device(
-                    self._worker,
-                    ring,
-                    handle=handle,
-                    device=position,
-                    size=int(dev["size"]),
-                    chunks=store.open_stream(manifest, str(found["path"])),
-                )
-        except GpusnapError:
-            # Never complete a restore whose memory is not all there: drop the mappings
-            # (the driver is assumed to abandon the operation; unverified on hardware).
-            self._worker.kill()
-            raise
-        self._worker.call("operation_complete", handle)
 
 
 def _pids(pids: list[int]) -> str:

@@ -1,9 +1,18 @@
-"""The stamp's ``gpu`` section: what GPUs and driver a checkpoint was taken against."""
+"""What GPUs and driver this node has (probed through the worker), and the stamp's ``gpu``
+section: what GPUs and driver a checkpoint was taken against."""
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpusnap.errors import GpusnapError
+
+if TYPE_CHECKING:
+    from gpusnap.daemon.gpu.worker import GpuWorker
+
+log = logging.getLogger(__name__)
 
 # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 ..." (also "Open
 # Kernel Module"). The version number is what must match; the build date may differ per node.
@@ -54,3 +63,49 @@ def build_stamp(caps: dict[str, Any]) -> dict[str, Any]:
         "gpu_remap": caps.get("gpu_remap"),
         "custom_storage": caps.get("custom_storage"),
     }
+
+
+def probe_capabilities(worker: GpuWorker) -> dict[str, Any]:
+    """What the driver behind ``worker`` offers; without one, ``driver_present`` False and a
+    one-line ``message`` saying why."""
+    caps: dict[str, Any] = {
+        "driver_present": False,
+        "message": "",
+        "driver_version": None,
+        "driver_version_line": None,
+        "cuda_driver_version": None,
+        "checkpoint_api": False,
+        "gpu_remap": False,
+        "custom_storage": False,
+        "devices": [],
+    }
+    try:
+        worker.call("init")
+        version = int(worker.call("driver_version"))
+        line = worker.call("driver_version_string")
+        caps["devices"] = list(worker.call("devices"))
+        caps["custom_storage"] = bool(worker.call("custom_storage_supported"))
+    except GpusnapError as err:
+        caps["message"] = f"GPU checkpointing unavailable: {err}"
+        log.info("%s", caps["message"])
+        return caps
+    caps.update(
+        driver_present=True,
+        driver_version=parse_nvrm_version(line),
+        driver_version_line=line,
+        cuda_driver_version=version,
+        checkpoint_api=version >= CHECKPOINT_API_MIN,
+        gpu_remap=version >= GPU_REMAP_MIN,
+    )
+
+    def yes(flag: str) -> str:
+        return "yes" if caps[flag] else "no"
+
+    caps["message"] = (
+        f"NVIDIA driver {caps['driver_version'] or 'unknown'} "
+        f"(CUDA {cuda_version_text(version)}), {len(caps['devices'])} GPU(s); "
+        f"checkpoint API {yes('checkpoint_api')}, GPU remap {yes('gpu_remap')}, "
+        f"custom storage {yes('custom_storage')}"
+    )
+    log.info("%s", caps["message"])
+    return caps

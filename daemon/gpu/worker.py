@@ -72,7 +72,13 @@ class GpuWorker:
         return proc
 
     def _ensure(self) -> subprocess.Popen[bytes]:
-        if self._proc is None or self._proc.poll() is not None:
+        if self._proc is not None and (code := self._proc.poll()) is not None:
+            # It died between calls: nothing was asked of it, so the next call just gets a
+            # fresh one (its pipes are closed, not left to the garbage collector).
+            log.warning("GPU worker %d exited (status %s); starting another", self._proc.pid, code)
+            _close_pipes(self._proc)
+            self._proc = None
+        if self._proc is None:
             self._proc = self._spawn()
         return self._proc
 
@@ -83,9 +89,7 @@ class GpuWorker:
         if proc.poll() is None:
             proc.kill()  # SIGKILL: a call stuck in the driver ignores anything gentler
         proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
+        _close_pipes(proc)
         log.warning("GPU worker %d killed", proc.pid)
 
     @property
@@ -238,3 +242,9 @@ class PendingCall:
             return self._worker._finish(self)
         finally:
             self._worker._lock.release()
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()

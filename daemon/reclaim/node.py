@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpusnap.daemon.model import CompatVerdict, Job
+from gpusnap.daemon.jobs.job import Job
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.storage.store import CheckpointStore
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpusnap.daemon.model import Job, JobState
+from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.reclaim.config import WorkloadPolicy
 from gpusnap.daemon.reclaim.node import NodeDaemon
 from gpusnap.daemon.reclaim.notice import Notice
@@ -108,19 +108,6 @@ class PolicyEngine:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no reclaim runs; True if none does."""
-        end = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = [r for r in self._reclaims.values() if not r.done.is_set()]
-            if not pending:
-                return True
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            pending[0].done.wait(min(left, 0.5))
 
     def reclaim_in_flight(self) -> bool:
         with self._lock:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpusnap.daemon import sdnotify
-from gpusnap.daemon.model import Job
+from gpusnap.daemon.jobs.job import Job
 from gpusnap.daemon.reclaim.board import (
     MigrationBoard,
     MigrationClaim,

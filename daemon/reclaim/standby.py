@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpusnap.daemon.model import CompatVerdict, Job, JobState
+from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.reclaim.board import (
     ClaimMode,
     MigrationBoard,
@@ -24,6 +24,7 @@ from gpusnap.daemon.reclaim.board import (
     MigrationOutcome,
     MigrationRequest,
 )
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import AlreadyExists, GpusnapError
 
 log = logging.getLogger(__name__)

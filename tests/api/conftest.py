@@ -25,16 +25,9 @@ import pytest
 
 from gpusnap.daemon.api import DaemonServiceAPI, start_server, stop_server
 from gpusnap.daemon.config import parse_config
-from gpusnap.daemon.model import (
-    CompatVerdict,
-    Job,
-    JobKind,
-    JobState,
-    Phase,
-    Progress,
-    Reason,
-)
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, Progress
 from gpusnap.daemon.service import DaemonService
+from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import KINDS, NotFound
 from gpusnap.storage import generate_signing_key
 
@@ -60,6 +53,10 @@ class FakeService:
         self.jobs: dict[str, Job] = {}
         self.snapshots: dict[str, list[Job]] = {}
         self._ids = itertools.count(1)
+
+    def last_call(self) -> tuple[str, dict[str, Any]]:
+        """The last call the service saw: its name and arguments."""
+        return self.calls[-1]
 
     def _job(self, kind: JobKind, workload: str, **kw: Any) -> Job:
         job = Job(
@@ -272,7 +269,8 @@ class FakeService:
 
 
 def _typed(service: FakeService) -> DaemonServiceAPI:
-    return service  # mypy checks FakeService against the Protocol here
+    # mypy (scripts/test.sh runs it on tests/ too) holds FakeService to the Protocol here.
+    return service
 
 
 @pytest.fixture

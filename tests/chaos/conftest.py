@@ -1,4 +1,5 @@
-"""Fixtures of the chaos suite: the seed and the number of rounds, a moto server, stores.
+"""Fixtures of the chaos suite: the seed and the number of rounds, the fault proxy in front of
+the suite's one moto server (``tests/conftest.py``), stores.
 
 The seed comes from ``GPUSNAP_CHAOS_SEED`` (default: a new one each run, printed by every
 test and named in every failure, so that a failure replays with that variable set); the
@@ -20,7 +21,7 @@ import pytest
 
 from tests.chaos.harness import ChaosStore
 from tests.chaos.scenarios import ChaosProxy
-from tests.support.moto_server import MotoServer, aws_test_credentials
+from tests.support.moto_server import MotoServer
 
 DEFAULT_ROUNDS = 2
 
@@ -46,15 +47,10 @@ def chaos(record_property: Callable[[str, object], None]) -> ChaosRun:
     return ChaosRun(_SEED, _ROUNDS)
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    with aws_test_credentials(), MotoServer() as server:
-        yield server
-
-
 @pytest.fixture
-def proxy(moto: MotoServer) -> Iterator[ChaosProxy]:
-    chaos_proxy = ChaosProxy(moto.endpoint_url)
+def proxy(moto_server: MotoServer) -> Iterator[ChaosProxy]:
+    """The fault-injecting proxy in front of the suite's one moto server."""
+    chaos_proxy = ChaosProxy(moto_server.endpoint_url)
     chaos_proxy.start()
     try:
         yield chaos_proxy
@@ -68,6 +64,8 @@ def file_store(tmp_path: Path, chaos: ChaosRun) -> ChaosStore:
 
 
 @pytest.fixture
-def s3_store(tmp_path: Path, chaos: ChaosRun, moto: MotoServer, proxy: ChaosProxy) -> ChaosStore:
+def s3_store(
+    tmp_path: Path, chaos: ChaosRun, moto_server: MotoServer, proxy: ChaosProxy
+) -> ChaosStore:
     bucket = f"chaos-{uuid.uuid4().hex[:12]}"
-    return ChaosStore.on_s3(tmp_path, chaos.seed, moto, bucket, proxy.endpoint_url)
+    return ChaosStore.on_s3(tmp_path, chaos.seed, moto_server, bucket, proxy.endpoint_url)

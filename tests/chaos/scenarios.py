@@ -118,9 +118,13 @@ class ChaosProxy(FaultProxy):
             self._cut.append((match, how, count))
 
     def heal(self) -> None:
+        """Clear every fault still armed."""
         with self._cut_lock:
             self._cut.clear()
-        super().heal()
+        self.fail_next(0)
+        self.fail_for(0)
+        self.drop_next(0)
+        self.lose_reply_next(0)
 
     def _decide(self, method: str, path: str) -> str:
         with self._cut_lock:

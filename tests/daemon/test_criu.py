@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import criu as criu_module
-from gpusnap.daemon import proctree
-from gpusnap.daemon.criu import Criu, most_relevant_error, parse_stats
+from gpusnap.daemon.host import criu as criu_module
+from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host.criu import Criu, most_relevant_error, parse_stats
 from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound, Unsupported
 from tests.support import workloads
-from tests.support.workloads import Workload
+from tests.support.criu import criu_or_skip
+from tests.support.workloads import Started
 
 log = logging.getLogger(__name__)
 
@@ -23,33 +24,13 @@ pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 STEPS = 40
 
 
-def _criu_or_skip() -> Criu:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root; run the suite as root")
-    criu = Criu()
-    try:
-        criu.check()
-    except Unsupported as exc:
-        pytest.skip(f"no working CRIU here ({exc})")
-    return criu
-
-
 @pytest.fixture(scope="module")
 def criu() -> Iterator[Criu]:
-    found = _criu_or_skip()
+    found = criu_or_skip()
     # Adopt the orphans a kill-mode dump leaves, so their pids can be reaped and reused.
     workloads.set_child_subreaper(True)
     yield found
     workloads.set_child_subreaper(False)
-
-
-@pytest.fixture
-def started() -> Iterator[list[Workload]]:
-    """Workloads a test starts; whatever still runs at the end is killed and reaped."""
-    items: list[Workload] = []
-    yield items
-    for w in items:
-        w.kill()
 
 
 def _restore(criu: Criu, images: Path, tmp: Path) -> int:
@@ -67,12 +48,10 @@ def _reap_restored(pid: int) -> int:
 
 
 def test_kill_mode_dump_and_restore_of_a_tree_continues_bit_exactly(
-    criu: Criu, tmp_path: Path, started: list[Workload]
+    criu: Criu, tmp_path: Path, started: Started
 ) -> None:
     reference = workloads.reference_output("tree", tmp_path / "ref", steps=STEPS)
-    w = workloads.start_tree(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(10)
+    w = started(workloads.start_tree(tmp_path / "run", steps=STEPS), steps=10)
     tree = proctree.tree_pids(w.pid)
     assert len(tree) == 2  # parent and child
     assert proctree.process_info(w.pid).threads == 2  # main and the hasher thread
@@ -100,12 +79,10 @@ def test_kill_mode_dump_and_restore_of_a_tree_continues_bit_exactly(
 
 
 def test_leave_running_dump_keeps_the_process_going_and_its_images_restore(
-    criu: Criu, tmp_path: Path, started: list[Workload]
+    criu: Criu, tmp_path: Path, started: Started
 ) -> None:
     reference = workloads.reference_output("tree", tmp_path / "ref", steps=STEPS)
-    w = workloads.start_tree(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(5)
+    w = started(workloads.start_tree(tmp_path / "run", steps=STEPS), steps=5)
     res = criu.dump(w.pid, tmp_path / "images", leave_running=True, log_path=tmp_path / "dump.log")
     assert res.leave_running
     at_dump = w.steps_done()
@@ -124,11 +101,9 @@ def test_leave_running_dump_keeps_the_process_going_and_its_images_restore(
 
 
 def test_counter_restored_reports_its_state_and_continues(
-    criu: Criu, tmp_path: Path, started: list[Workload]
+    criu: Criu, tmp_path: Path, started: Started
 ) -> None:
-    w = workloads.start_counter(tmp_path / "run", steps=30)
-    started.append(w)
-    w.wait_steps(5)
+    w = started(workloads.start_counter(tmp_path / "run", steps=30), steps=5)
     step_before, _, _ = w.state()
     criu.dump(w.pid, tmp_path / "images", leave_running=False, log_path=tmp_path / "dump.log")
     w.reap()
@@ -150,12 +125,10 @@ def test_dump_of_a_nonexistent_pid_is_not_found(criu: Criu, tmp_path: Path) -> N
 
 
 def test_restore_onto_a_taken_pid_fails_in_one_line_naming_the_pid(
-    criu: Criu, tmp_path: Path, started: list[Workload]
+    criu: Criu, tmp_path: Path, started: Started
 ) -> None:
     # A restore whose pid is taken by a running process must fail, clearly.
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(2)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=2)
     criu.dump(w.pid, tmp_path / "images", leave_running=True, log_path=tmp_path / "dump.log")
     with pytest.raises(FailedPrecondition) as info:
         criu.restore(tmp_path / "images", log_path=tmp_path / "restore.log", pidfile=tmp_path / "p")
@@ -219,7 +192,7 @@ def test_log_parsing_picks_the_cause_not_the_noise() -> None:
 
 
 def test_restore_with_scope_unit_runs_criu_under_systemd_run_when_systemd_is_there(
-    criu: Criu, tmp_path: Path, started: list[Workload], monkeypatch: pytest.MonkeyPatch
+    criu: Criu, tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No systemd on the test host: a stand-in systemd-run records its arguments and runs the rest.
     bindir = tmp_path / "bin"
@@ -236,9 +209,7 @@ def test_restore_with_scope_unit_runs_criu_under_systemd_run_when_systemd_is_the
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     monkeypatch.setattr(criu_module, "systemd_running", lambda: True)
 
-    w = workloads.start_counter(tmp_path / "run", steps=20)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=20), steps=3)
     criu.dump(w.pid, tmp_path / "images", leave_running=False, log_path=tmp_path / "dump.log")
     w.reap()
     res = criu.restore(

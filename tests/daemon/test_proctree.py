@@ -5,32 +5,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import numpy
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import files, proctree
 from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.support import workloads
-from tests.support.workloads import Workload
+from tests.support.workloads import Started
 
 
-@pytest.fixture
-def started() -> Iterator[list[Workload]]:
-    items: list[Workload] = []
-    yield items
-    for w in items:
-        w.kill()
-
-
-def test_tree_discovery_finds_parent_child_and_thread(
-    tmp_path: Path, started: list[Workload]
-) -> None:
-    w = workloads.start_tree(tmp_path, steps=100000)
-    started.append(w)
-    w.wait_steps(2)
+def test_tree_discovery_finds_parent_child_and_thread(tmp_path: Path, started: Started) -> None:
+    w = started(workloads.start_tree(tmp_path, steps=100000), steps=2)
     pids = proctree.tree_pids(w.pid)
     assert pids[0] == w.pid and len(pids) == 2
     infos = proctree.process_tree(w.pid)
@@ -43,36 +31,53 @@ def test_tree_discovery_finds_parent_child_and_thread(
     assert parent.uid == os.getuid() and parent.user
 
 
-def test_open_and_mapped_files_carry_size_and_mtime(
-    tmp_path: Path, started: list[Workload]
+def test_watched_files_name_each_open_or_mapped_regular_file_with_its_use(
+    tmp_path: Path, started: Started
 ) -> None:
-    w = workloads.start_counter(tmp_path, steps=0)
-    started.append(w)
-    w.wait_steps(2)
-    opened = {f.path: f for f in proctree.open_files(w.pid)}
-    out = str(tmp_path / "out")
-    assert out in opened and str(tmp_path / "stderr") in opened
-    assert "/dev/null" not in opened  # regular files only
-    st = os.stat(out)
-    assert opened[out].mtime_ns <= st.st_mtime_ns and opened[out].size <= st.st_size
-    mapped = {f.path: f for f in proctree.mapped_files(w.pid)}
-    exe = os.path.realpath(sys.executable)
-    assert exe in mapped
-    assert mapped[exe].size == os.stat(exe).st_size
-    assert mapped[exe].mtime_ns == os.stat(exe).st_mtime_ns
-    assert any("libc.so" in p for p in mapped)
+    w = started(workloads.start_counter(tmp_path, steps=0), steps=2)
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 4096)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; f = open(sys.argv[1], 'rb'); time.sleep(600)",
+            str(weights),
+        ],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _wait_open(reader.pid, str(weights))
+        watched = dict(files.watched_files([w.pid, reader.pid]))
+    finally:
+        reader.kill()
+        reader.wait()
+    # The counter appends to its output and its stderr; the reader only reads.
+    assert watched[str(tmp_path / "out")] == "open-append"
+    assert watched[str(tmp_path / "stderr")] == "open-append"
+    assert watched[str(weights)] == "open-ro"
+    assert not [p for p in watched if p.startswith(("/dev/", "/proc/"))]  # not files of ours
+    assert watched[os.path.realpath(sys.executable)] == "mapped"
+    assert any("libc.so" in p and kind == "mapped" for p, kind in watched.items())
 
 
-def test_launch_spec_records_command_cwd_env_and_user(
-    tmp_path: Path, started: list[Workload]
-) -> None:
+def _wait_open(pid: int, path: str) -> None:
+    deadline = time.monotonic() + workloads.DEFAULT_TIMEOUT
+    while time.monotonic() < deadline:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        if any(os.readlink(fd) == path for fd in fd_dir.iterdir()):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not open {path}")
+
+
+def test_launch_spec_records_command_cwd_env_and_user(tmp_path: Path, started: Started) -> None:
     os.environ["GPUSNAP_TEST_MARKER"] = "42"
     try:
         w = workloads.start_counter(tmp_path, steps=0)
     finally:
         del os.environ["GPUSNAP_TEST_MARKER"]
-    started.append(w)
-    w.wait_steps(1)
+    started(w, steps=1)
     spec = proctree.launch_spec(w.pid)
     assert spec["command"] == [sys.executable, "-c", *w.proc.args[2:]]  # type: ignore[index]
     assert spec["cwd"] == str(tmp_path)
@@ -81,20 +86,16 @@ def test_launch_spec_records_command_cwd_env_and_user(
 
 
 def test_python_packages_reports_the_imported_numpy_version(
-    tmp_path: Path, started: list[Workload]
+    tmp_path: Path, started: Started
 ) -> None:
-    w = workloads.start_importer(tmp_path, ["numpy"])
-    started.append(w)
+    w = started(workloads.start_importer(tmp_path, ["numpy"]))
     assert proctree.python_packages(w.pid, imported_only=True) == {"numpy": numpy.__version__}
-    bare = workloads.start_importer(tmp_path / "bare", [])
-    started.append(bare)
+    bare = started(workloads.start_importer(tmp_path / "bare", []))
     assert proctree.python_packages(bare.pid, imported_only=True) == {}
 
 
-def test_find_pids_by_pid_file_match_and_errors(tmp_path: Path, started: list[Workload]) -> None:
-    w = workloads.start_tree(tmp_path, steps=100000)
-    started.append(w)
-    w.wait_steps(1)
+def test_find_pids_by_pid_file_match_and_errors(tmp_path: Path, started: Started) -> None:
+    w = started(workloads.start_tree(tmp_path, steps=100000), steps=1)
     pidfile = tmp_path / "w.pid"
     pidfile.write_text(f"{w.pid}\n")
     assert proctree.find_pids(pid_file=pidfile)[0] == w.pid
@@ -103,9 +104,7 @@ def test_find_pids_by_pid_file_match_and_errors(tmp_path: Path, started: list[Wo
     assert proctree.find_root_pid(match=f"{tmp_path}/out 100000") == w.pid
     assert proctree.workload_name(w.pid).startswith("python")  # "python -c ...": no script
 
-    other = workloads.start_counter(tmp_path / "other", steps=0)
-    started.append(other)
-    other.wait_steps(1)
+    started(workloads.start_counter(tmp_path / "other", steps=0), steps=1)
     with pytest.raises(FailedPrecondition, match="processes match"):
         proctree.find_root_pid(match=f"{tmp_path}/")
     with pytest.raises(NotFound, match="no process matches"):
@@ -125,7 +124,7 @@ def test_a_gone_process_is_not_found(tmp_path: Path) -> None:
             probe(w.pid)
 
 
-def test_workload_name_of_a_script(tmp_path: Path, started: list[Workload]) -> None:
+def test_workload_name_of_a_script(tmp_path: Path, started: Started) -> None:
     script = tmp_path / "tinylm.py"
     script.write_text("import time\nopen('ready', 'w').close()\ntime.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdin=subprocess.DEVNULL)

@@ -13,7 +13,8 @@ from typing import Any, cast
 
 import pytest
 
-from gpusnap.daemon import flows
+from gpusnap.daemon.rescue import Rescue
+from gpusnap.daemon.statedir import StateDirs
 from gpusnap.errors import Unsupported
 
 
@@ -27,22 +28,17 @@ class _FailingCriu:
         raise self.error
 
 
-def _svc(tmp_path: Path, criu: _FailingCriu) -> Any:
-    for d in ("state", "state/logs", "state/staging"):
-        (tmp_path / d).mkdir(parents=True, exist_ok=True)
-    return SimpleNamespace(
-        criu=criu,
-        state_dir=tmp_path / "state",
-        logs_dir=tmp_path / "state" / "logs",
-        staging_root=tmp_path / "state" / "staging",
-        adopt=lambda pid: None,
-    )
+def _node(tmp_path: Path, criu: _FailingCriu) -> Any:
+    """The parts of a ``Node`` a rescue uses: CRIU, the state directories, the reaper."""
+    dirs = StateDirs.of(tmp_path / "state", None)
+    for d in (dirs.state, dirs.logs, dirs.staging):
+        d.mkdir(parents=True, exist_ok=True)
+    return SimpleNamespace(criu=criu, dirs=dirs, adopt=lambda pid: None)
 
 
-def _rescue(svc: Any, images: Path) -> str:
-    ctx = cast("Any", SimpleNamespace(job_id="20990101T000000-abcdef"))
-    freeze = SimpleNamespace(cuda_pids=())
-    return flows._rescue(svc, ctx, images, freeze=freeze, gpu_stamp={}, store=cast("Any", None))
+def _rescue(node: Any, images: Path) -> str:
+    freeze = cast("Any", SimpleNamespace(cuda_pids=()))
+    return Rescue(node, "20990101T000000-abcdef", images, freeze=freeze, gpu_stamp={}).run()
 
 
 def _images(tmp_path: Path) -> Path:
@@ -57,7 +53,7 @@ def test_images_removed_under_the_job_are_reported_lost_without_trying_criu(
 ) -> None:
     criu = _FailingCriu(Unsupported("not reached"))
     images = tmp_path / "state" / "staging" / "20990101T000000-abcdef" / "images"
-    message = _rescue(_svc(tmp_path, criu), images)
+    message = _rescue(_node(tmp_path, criu), images)
     assert criu.calls == 0
     assert f"its images {images} are gone" in message
     assert "the workload is lost" in message
@@ -65,7 +61,7 @@ def test_images_removed_under_the_job_are_reported_lost_without_trying_criu(
 
 def test_a_failed_local_restore_keeps_the_images_and_says_where(tmp_path: Path) -> None:
     images = _images(tmp_path)
-    message = _rescue(_svc(tmp_path, _FailingCriu(Unsupported("criu broke"))), images)
+    message = _rescue(_node(tmp_path, _FailingCriu(Unsupported("criu broke"))), images)
     kept = tmp_path / "state" / "kept" / "20990101T000000-abcdef"
     assert message == (
         f"restoring the workload locally failed too (criu broke); its images are kept in {kept}"
@@ -75,10 +71,10 @@ def test_a_failed_local_restore_keeps_the_images_and_says_where(tmp_path: Path) 
 
 def test_images_that_cannot_be_moved_are_kept_beside_staging(tmp_path: Path) -> None:
     images = _images(tmp_path)
-    svc = _svc(tmp_path, _FailingCriu(Unsupported("criu broke")))
-    (svc.state_dir / "kept").write_text("a file where the kept/ directory should be")
-    message = _rescue(svc, images)
-    beside = svc.staging_root / "kept-20990101T000000-abcdef"
+    node = _node(tmp_path, _FailingCriu(Unsupported("criu broke")))
+    (node.dirs.state / "kept").write_text("a file where the kept/ directory should be")
+    message = _rescue(node, images)
+    beside = node.dirs.staging / "kept-20990101T000000-abcdef"
     assert f"its images are kept in {beside}" in message
     assert (beside / "pages-1.img").read_bytes() == b"the only copy"
 
@@ -88,6 +84,6 @@ def test_a_foreign_error_in_the_rescue_is_one_line_not_an_exception(
     tmp_path: Path, error: Exception
 ) -> None:
     images = _images(tmp_path)
-    message = _rescue(_svc(tmp_path, _FailingCriu(error)), images)
+    message = _rescue(_node(tmp_path, _FailingCriu(error)), images)
     assert message.startswith(f"rescuing the workload failed ({type(error).__name__}: ")
     assert "\n" not in message

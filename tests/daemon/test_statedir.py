@@ -12,6 +12,7 @@ import pytest
 
 from gpusnap.daemon.statedir import LOCK_NAME, StateDirLock
 from gpusnap.errors import FailedPrecondition, InvalidArgument
+from tests.support.mounts import tmpfs
 
 # Tries to take the lock from another process; prints "locked" or the error's one line.
 _OTHER = """
@@ -103,18 +104,8 @@ def test_a_state_dir_that_is_a_file_is_a_config_error_naming_the_key(tmp_path: P
 
 
 def test_a_state_dir_on_a_read_only_file_system_is_said_in_words(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)]
-    if subprocess.run(mount, check=False).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        with pytest.raises(InvalidArgument) as info:
-            StateDirLock.acquire(mnt / "state")
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mnt, pytest.raises(InvalidArgument) as info:
+        StateDirLock.acquire(mnt / "state")
     assert str(info.value) == (
         f"config: [daemon] state_dir: cannot create {mnt / 'state'}: "
         "it is on a read-only file system"

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpusnap.daemon.gpu import GpuFreeze
+from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
+from gpusnap.daemon.gpu.worker import GpuWorker
 from gpusnap.errors import DeadlineExceeded, FailedPrecondition, Internal, Unsupported
 from tests.fakes.fake_cuda import GIB, FakeCuda, default_devices
 
@@ -150,17 +155,27 @@ def test_restore_puts_processes_back_and_unlocks(fake, sleepers, make_coordinato
     assert [c["gpu_pairs"] for c in fake.call_args("restore")] == [None, None]
 
 
-def test_restore_out_of_memory_leaves_process_checkpointed_and_raises(
-    fake, sleepers, make_coordinator
-):
+def _checkpointed_then_crowded(
+    fake: FakeCuda,
+    sleepers: Callable[[int], list[int]],
+    make_coordinator: Callable[..., GpuCoordinator],
+) -> tuple[int, dict[str, Any], GpuCoordinator, dict[str, Any]]:
+    """A process holding 100 GiB checkpointed; then another tenant takes 50 GiB of its GPU."""
     (pid,) = sleepers(1)
     dev = default_devices(1)[0]
     fake.add_process(pid, {dev["uuid"]: 100 * GIB})
     coordinator = make_coordinator()
     stamp = _checkpointed(fake, coordinator, [pid])
-    # Another tenant takes the GPU meanwhile; the stamp under-reports, so the pre-check passes.
     (other,) = sleepers(1)
     fake.add_process(other, {dev["uuid"]: 50 * GIB})
+    return pid, dev, coordinator, stamp
+
+
+def test_restore_out_of_memory_leaves_process_checkpointed_and_raises(
+    fake, sleepers, make_coordinator
+):
+    pid, dev, coordinator, stamp = _checkpointed_then_crowded(fake, sleepers, make_coordinator)
+    # The stamp under-reports, so the pre-check passes.
     stamp["bytes_per_device"] = {dev["uuid"]: 1 * GIB}
     with pytest.raises(FailedPrecondition) as caught:
         coordinator.restore([pid], stamp)
@@ -173,13 +188,7 @@ def test_restore_out_of_memory_leaves_process_checkpointed_and_raises(
 def test_restore_is_refused_before_the_driver_when_free_memory_is_short(
     fake, sleepers, make_coordinator
 ):
-    (pid,) = sleepers(1)
-    dev = default_devices(1)[0]
-    fake.add_process(pid, {dev["uuid"]: 100 * GIB})
-    coordinator = make_coordinator()
-    stamp = _checkpointed(fake, coordinator, [pid])
-    (other,) = sleepers(1)
-    fake.add_process(other, {dev["uuid"]: 50 * GIB})
+    pid, _dev, coordinator, stamp = _checkpointed_then_crowded(fake, sleepers, make_coordinator)
     with pytest.raises(FailedPrecondition, match="free"):
         coordinator.restore([pid], stamp)
     assert fake.calls("restore") == []
@@ -237,15 +246,52 @@ def test_remap_on_a_driver_without_gpu_pairs_is_unsupported(fake, sleepers, make
     assert fake.state_of(pid) == "CHECKPOINTED"
 
 
-def test_worker_that_dies_is_replaced(fake, sleepers, make_coordinator):
+def _one_process_and_its_worker(
+    fake: FakeCuda,
+    sleepers: Callable[[int], list[int]],
+    make_coordinator: Callable[..., GpuCoordinator],
+) -> tuple[int, GpuWorker, int]:
+    """A CUDA process, and a coordinator's worker already started: (pid, worker, its pid)."""
     (pid,) = sleepers(1)
     fake.add_process(pid)
     coordinator = make_coordinator()
     coordinator.capabilities()
-    old = coordinator._worker.pid
-    assert old is not None
+    worker = coordinator._worker
+    assert worker.pid is not None
+    return pid, worker, worker.pid
+
+
+def test_a_worker_killed_during_a_call_fails_that_call_and_is_replaced(
+    fake, sleepers, make_coordinator
+):
+    pid, worker, old = _one_process_and_its_worker(fake, sleepers, make_coordinator)
+    fake.fault("get_state", pid, hang_s=60)
+    pending = worker.begin("get_state", pid)
+    _until(lambda: fake.read()["faults"] == [])  # the worker took it: it hangs in the call
     os.kill(old, signal.SIGKILL)
-    with pytest.raises(Internal, match="GPU worker died"):
-        coordinator._worker.call("get_state", pid)
-    assert coordinator._worker.call("get_state", pid) == "RUNNING"
-    assert coordinator._worker.pid != old
+    with pytest.raises(Internal, match="GPU worker died during"):
+        pending.result()
+    assert worker.call("get_state", pid) == "RUNNING"
+    assert worker.pid != old
+
+
+def test_a_worker_that_died_between_calls_is_replaced_by_the_next_call(
+    fake, sleepers, make_coordinator
+):
+    pid, worker, old = _one_process_and_its_worker(fake, sleepers, make_coordinator)
+    os.kill(old, signal.SIGKILL)
+    _until(lambda: _is_zombie(old))  # it has exited, and nobody has reaped it yet
+    assert worker.call("get_state", pid) == "RUNNING"  # nothing was lost
+    assert worker.pid != old
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30  # a hang guard only
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.01)
+
+
+def _is_zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -18,26 +18,23 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
-from gpusnap.daemon.criu import Criu
-from gpusnap.errors import Unsupported
 from gpusnap.storage import generate_signing_key
 from tests.support import workloads
+from tests.support.criu import criu_or_skip
 
 BIN = Path(sys.executable).parent
 HANG_GUARD = 120.0  # seconds; against hangs only
 
 
-def criu_or_skip() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root; run the suite as root")
-    try:
-        Criu().check()
-    except Unsupported as exc:
-        pytest.skip(f"no working CRIU here ({exc}); run scripts/install-criu.sh")
+def gpusnapd(*args: str) -> subprocess.CompletedProcess[str]:
+    """``gpusnapd ARGS`` in the foreground, to its exit: a start that must fail, a check."""
+    return subprocess.run(
+        [str(BIN / "gpusnapd"), *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -138,6 +135,13 @@ driver = "none"
         )
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
+    def job(self, job_id: str) -> dict[str, Any]:
+        """``gpusnap job ID --json``, which must succeed."""
+        got = self.cli("job", job_id, "--json")
+        assert got.rc == 0, got.stderr
+        job: dict[str, Any] = got.json
+        return job
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-4000:]
@@ -191,23 +195,26 @@ class Nodes:
                 node.stop()
             node.kill()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[Nodes]:
     criu_or_skip()
-    n = Nodes(tmp_path)
-    yield n
-    n.close()
+    with Nodes(tmp_path) as n:
+        yield n
 
 
 @pytest.fixture
-def started() -> Iterator[list[workloads.Workload]]:
+def started() -> Iterator[workloads.Started]:
     """Workloads a test starts; whatever still runs at the end is killed and reaped."""
-    items: list[workloads.Workload] = []
-    yield items
-    for w in items:
-        with contextlib.suppress(Exception):
-            w.kill()
+    s = workloads.Started()
+    yield s
+    s.kill_all()
 
 
 def restored_cleanup(pids: list[int]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -24,7 +23,8 @@ import zstandard
 from gpusnap.storage.keys import load_signing_key, seal
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
 from tests.cli._cli import Cli, files_under, make_cli, write_tree
-from tests.e2e.conftest import BIN, Nodes
+from tests.e2e.conftest import BIN, Nodes, gpusnapd
+from tests.support.mounts import tmpfs
 
 EXIT_USAGE = 2
 EXIT_INTEGRITY = 4
@@ -181,17 +181,8 @@ def test_pushing_never_writes_through_a_symlinked_store_directory(cli: Cli, tmp_
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]
-    if subprocess.run(mount, check=False).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "small", "size=1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_pull_onto_a_full_disk_is_not_a_usage_error(
@@ -208,13 +199,7 @@ def test_pull_onto_a_full_disk_is_not_a_usage_error(
 
 
 def _check_config(node_cfg: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "gpusnapd"), "--config", str(node_cfg), "--check-config"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
+    return gpusnapd("--config", str(node_cfg), "--check-config")
 
 
 @pytest.mark.parametrize(
@@ -243,13 +228,7 @@ def test_a_second_daemon_on_the_same_state_dir_leaves_the_first_ones_staging_alo
     in_flight = first.state_dir / "staging" / "20991231T235959-abcdef"
     (in_flight / "images").mkdir(parents=True)
     (in_flight / "images" / "pages-1.img").write_bytes(b"the only copy of a workload")
-    proc = subprocess.run(
-        [str(BIN / "gpusnapd"), "--config", str(first.config_path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
+    proc = gpusnapd("--config", str(first.config_path))
     assert proc.returncode != 0, "a second daemon on one socket must not start"
     time.sleep(0.2)
     assert (in_flight / "images" / "pages-1.img").exists(), (

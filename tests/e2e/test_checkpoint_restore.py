@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -10,37 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import Nodes
 from tests.support import workloads
-from tests.support.workloads import Workload
+from tests.support.daemon_config import workload_section
+from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 60
 
 
-def _workload_config(name: str, pid_file: Path, revision: str, marker: Path) -> str:
-    # The cold-start command leaves a marker so the test can see it ran.
-    start = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('cold')"]
-    return f"""
-[[workload]]
-name = "{name}"
-pid_file = "{pid_file}"
-engine = {{ name = "hashchain", version = "1" }}
-model = {{ name = "org/counter", revision = "{revision}" }}
-start = {{ command = {json.dumps(start)}, cwd = "/" }}
-"""
-
-
 def test_checkpoint_and_restore_of_a_process_tree_continues_bit_exactly(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     node = nodes.make("a").start()
     reference = workloads.reference_output("tree", tmp_path / "ref", steps=STEPS)
-    w = workloads.start_tree(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(10)
+    w = started(workloads.start_tree(tmp_path / "run", steps=STEPS), steps=10)
     tree = proctree.tree_pids(w.pid)
     assert len(tree) == 2
 
@@ -76,12 +61,10 @@ def test_checkpoint_and_restore_of_a_process_tree_continues_bit_exactly(
 
 
 def test_leave_running_checkpoint_keeps_the_workload_running_and_restores(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     node = nodes.make("a").start()
-    w = workloads.start_counter(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(10)
+    w = started(workloads.start_counter(tmp_path / "run", steps=STEPS), steps=10)
 
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--leave-running", "--wait", "--json")
     assert ck.rc == 0, ck.stderr
@@ -99,14 +82,12 @@ def test_leave_running_checkpoint_keeps_the_workload_running_and_restores(
 
 
 def test_restore_on_another_node_over_the_same_store(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     a = nodes.make("a").start()
     b = nodes.make("b").start()
     reference = workloads.reference_output("tree", tmp_path / "ref", steps=STEPS)
-    w = workloads.start_tree(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(10)
+    w = started(workloads.start_tree(tmp_path / "run", steps=STEPS), steps=10)
     ck = a.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
     assert ck.rc == 0, ck.stderr
     w.reap()
@@ -125,14 +106,15 @@ def test_restore_on_another_node_over_the_same_store(
 
 
 def test_cold_start_with_every_reason_when_the_model_revision_differs(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     pid_file = tmp_path / "counter.pid"
     marker = tmp_path / "cold-started"
-    a = nodes.make("a", extra_config=_workload_config("ctr", pid_file, "r1", marker)).start()
-    b = nodes.make("b", extra_config=_workload_config("ctr", pid_file, "r2", marker)).start()
-    w = workloads.start_counter(tmp_path / "run", steps=STEPS)
-    started.append(w)
+    a = nodes.make("a", extra_config=workload_section("ctr", pid_file, marker=marker)).start()
+    b = nodes.make(
+        "b", extra_config=workload_section("ctr", pid_file, revision="r2", marker=marker)
+    ).start()
+    w = started(workloads.start_counter(tmp_path / "run", steps=STEPS))
     pid_file.write_text(f"{w.pid}\n")
     w.wait_steps(5)
 
@@ -161,12 +143,10 @@ def test_cold_start_with_every_reason_when_the_model_revision_differs(
 
 
 def test_restore_is_refused_for_an_altered_manifest(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     node = nodes.make("a").start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--leave-running", "--wait", "--json")
     assert ck.rc == 0, ck.stderr
     cid = ck.json["checkpoint_id"]
@@ -184,7 +164,7 @@ def test_restore_is_refused_for_an_altered_manifest(
 
 
 def test_an_unreachable_store_fails_the_job_and_leaves_the_workload_alone(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -202,9 +182,7 @@ def test_an_unreachable_store_fails_the_job_and_leaves_the_workload_alone(
         )
     )
     node.start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
 
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
     assert ck.rc == 1, ck.stderr

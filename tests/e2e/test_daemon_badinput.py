@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli._cli import write_tree
-from tests.e2e.conftest import BIN, Node, Nodes
+from tests.e2e.conftest import BIN, Node, Nodes, gpusnapd
 
 EXIT_USAGE = 2
 REFUSAL = "manifest authenticity is not verified ([store] verify = false)"
@@ -118,13 +118,7 @@ def test_a_state_dir_that_cannot_be_used_is_a_config_error_naming_the_key(
     state_dir = afile if kind == "a-file" else afile / "state"
     text = node.config_path.read_text().replace(str(node.state_dir), str(state_dir))
     node.config_path.write_text(text)
-    proc = subprocess.run(
-        [str(BIN / "gpusnapd"), "--config", str(node.config_path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
+    proc = gpusnapd("--config", str(node.config_path))
     assert proc.returncode == EXIT_USAGE, proc
     assert "[daemon] state_dir" in proc.stderr and "Errno" not in proc.stderr
     assert _one_line(proc.stderr), proc.stderr

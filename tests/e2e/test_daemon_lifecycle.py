@@ -4,45 +4,31 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpusnap.cli._client import DaemonClient
-from gpusnap.daemon import proctree
-from tests.e2e.conftest import BIN, Node, Nodes
+from gpusnap.daemon.host import proctree
+from tests.e2e import memory_holder
+from tests.e2e.conftest import Nodes, gpusnapd
 from tests.support import workloads
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
-HOLDER = Path(__file__).with_name("memory_holder.py")
 HOLDER_MIB = 768  # big enough that the upload is still running when the test looks
 
 
 @pytest.fixture
 def holder(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     ready = tmp_path / "holder.ready"
-    proc = subprocess.Popen(
-        [sys.executable, str(HOLDER), "--mib", str(HOLDER_MIB), "--ready", str(ready)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = memory_holder.start(HOLDER_MIB, ready)
     workloads._poll(lambda: ready.exists() or proc.poll() is not None, 120, "the holder")
     assert proc.poll() is None
     yield proc
     proc.kill()
     proc.wait()
-
-
-def _job(node: Node, job_id: str) -> dict[str, object]:
-    res = node.cli("job", job_id, "--json")
-    assert res.rc == 0, res.stderr
-    data: dict[str, object] = res.json
-    return data
 
 
 def test_daemon_killed_mid_upload_comes_back_with_the_job_interrupted_and_nothing_half_committed(
@@ -70,7 +56,7 @@ def test_daemon_killed_mid_upload_comes_back_with_the_job_interrupted_and_nothin
     assert staged, "the killed daemon left its staging behind (that is what recovery cleans)"
 
     node.start()
-    job = _job(node, job_id)
+    job = node.job(job_id)
     assert job["state"] == "interrupted"
     assert job["error"] == "daemon restarted during the job"
     assert not list((node.state_dir / "staging").iterdir())
@@ -88,13 +74,7 @@ def test_a_config_error_refuses_to_start_with_one_line_and_exit_2(tmp_path: Path
         '[daemon]\nstate_dir = "/tmp/x"\n[[workload]]\nname = "a"\n'
         '[[workload]]\nname = "llm"\npidfile = "/run/llm.pid"\n'
     )
-    proc = subprocess.run(
-        [str(BIN / "gpusnapd"), "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = gpusnapd("--config", str(cfg))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == [
@@ -104,12 +84,6 @@ def test_a_config_error_refuses_to_start_with_one_line_and_exit_2(tmp_path: Path
 
 
 def test_a_missing_config_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [str(BIN / "gpusnapd"), "--config", str(tmp_path / "nope.toml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = gpusnapd("--config", str(tmp_path / "nope.toml"))
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"gpusnapd: error: config: {tmp_path / 'nope.toml'}: no such file"

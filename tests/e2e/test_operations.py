@@ -5,25 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from gpusnap.cli._client import DaemonClient
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support import workloads
-from tests.support.faultproxy import FaultProxy
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.faultproxy import GateProxy
+from tests.support.moto_server import TEST_REGION, MotoServer
 from tests.support.tls import Ca, free_port
-from tests.support.workloads import Workload
+from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,21 +34,13 @@ def _until(what: str, ready: Callable[[], bool]) -> None:
         time.sleep(0.05)
 
 
-def _job(node: Node, job_id: str) -> dict[str, Any]:
-    got = node.cli("job", job_id, "--json")
-    assert got.rc == 0, got.stderr
-    job: dict[str, Any] = got.json
-    return job
-
-
 # --- status, workloads, metrics -----------------------------------------------------------------
 
 
 def test_status_workloads_and_metrics_show_the_last_good_checkpoint_and_its_age(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0))
     pid_file = tmp_path / "svc.pid"
     pid_file.write_text(f"{w.pid}\n")
     port = free_port()
@@ -168,70 +158,50 @@ def test_the_tcp_listener_takes_a_client_cert_of_the_client_ca_and_refuses_other
 # --- cancel -------------------------------------------------------------------------------------
 
 
-class _GateProxy(FaultProxy):
-    """Holds chunk requests (GET or PUT …/chunks/…) while the gate is shut, so a job can be
-    caught mid-transfer without guessing how long it takes."""
-
-    def __init__(self, upstream_url: str) -> None:
-        super().__init__(upstream_url)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.held = 0
-
-    def _decide(self, method: str, path: str) -> str:
-        if "/chunks/" in path and not self.gate.is_set():
-            with self._lock:
-                self.held += 1
-            self.gate.wait(HANG_GUARD)
-        return super()._decide(method, path)
-
-
 @contextlib.contextmanager
 def _s3_node(
-    nodes: Nodes, name: str, *, daemon_extra: str = "", extra_config: str = ""
-) -> Iterator[tuple[Node, _GateProxy]]:
-    with aws_test_credentials(), MotoServer() as moto:
-        moto.create_bucket("bucket")
-        proxy = _GateProxy(moto.endpoint_url)
-        proxy.start()
-        node = nodes.make(name, extra_config=extra_config)
+    nodes: Nodes,
+    moto: MotoServer,
+    bucket: str,
+    name: str,
+    *,
+    daemon_extra: str = "",
+    extra_config: str = "",
+) -> Iterator[tuple[Node, GateProxy]]:
+    """A node on S3 through a proxy that can hold chunk transfers (GET and PUT)."""
+    with GateProxy(moto.endpoint_url) as proxy:
+        node = nodes.make(name, extra_config=extra_config, daemon_config=daemon_extra)
         try:
             node.write_config(
                 store_section=(
-                    'url = "s3://bucket/gpusnap"\n'
+                    f'url = "s3://{bucket}/gpusnap"\n'
                     f'endpoint_url = "{proxy.endpoint_url}"\n'
                     f'region = "{TEST_REGION}"\n'
                     f'key_file = "{nodes.key_file}"\n'
                 )
             )
-            text = node.config_path.read_text()
-            marker = f'node_id = "{name}"\n'
-            node.config_path.write_text(text.replace(marker, marker + daemon_extra, 1))
             node.start()
             yield node, proxy
         finally:
             proxy.gate.set()
             node.stop()
-            proxy.stop()
 
 
 def test_cancel_of_a_queued_checkpoint_ends_it_at_once_and_never_touches_its_workload(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, moto_server: MotoServer, s3_bucket: str, tmp_path: Path, started: Started
 ) -> None:
     config = ""
     for name in ("first", "second"):
-        w = workloads.start_counter(tmp_path / name, steps=0)
-        started.append(w)
+        w = started(workloads.start_counter(tmp_path / name, steps=0))
         (tmp_path / f"{name}.pid").write_text(f"{w.pid}\n")
         config += f'[[workload]]\nname = "{name}"\npid_file = "{tmp_path / name}.pid"\n\n'
-    first, second = started
+    first, second = started.workloads
     first.wait_steps(3)
     second.wait_steps(3)
     # One job at a time: the second checkpoint waits while the first is held mid-upload.
-    with _s3_node(nodes, "a", daemon_extra="max_jobs = 1\n", extra_config=config) as (
-        node,
-        proxy,
-    ):
+    with _s3_node(
+        nodes, moto_server, s3_bucket, "a", daemon_extra="max_jobs = 1\n", extra_config=config
+    ) as (node, proxy):
         proxy.gate.clear()
         running = node.cli("checkpoint", "--workload", "first", "--leave-running", "--json")
         assert running.rc == 0, running.stderr
@@ -240,17 +210,17 @@ def test_cancel_of_a_queued_checkpoint_ends_it_at_once_and_never_touches_its_wor
         queued = node.cli("checkpoint", "--workload", "second", "--leave-running", "--json")
         assert queued.rc == 0, queued.stderr
         queued_id = queued.json["id"]
-        assert _job(node, queued_id)["state"] == "queued"
+        assert node.job(queued_id)["state"] == "queued"
 
         cancel = node.cli("cancel", queued_id, "--json")
         assert cancel.rc == 0, cancel.stderr
-        _until("the queued job to end", lambda: _job(node, queued_id)["state"] != "queued")
-        assert _job(node, queued_id)["state"] == "cancelled"
-        assert _job(node, running_id)["state"] == "running"  # still held at the gate
+        _until("the queued job to end", lambda: node.job(queued_id)["state"] != "queued")
+        assert node.job(queued_id)["state"] == "cancelled"
+        assert node.job(running_id)["state"] == "running"  # still held at the gate
 
         proxy.gate.set()
-        _until("the first checkpoint to end", lambda: _job(node, running_id)["state"] != "running")
-        assert _job(node, running_id)["state"] == "succeeded"
+        _until("the first checkpoint to end", lambda: node.job(running_id)["state"] != "running")
+        assert node.job(running_id)["state"] == "succeeded"
         listed = node.cli("ls", "--json").json["checkpoints"]
         assert [c["workload"] for c in listed] == ["first"]
         at = second.steps_done()
@@ -258,12 +228,10 @@ def test_cancel_of_a_queued_checkpoint_ends_it_at_once_and_never_touches_its_wor
 
 
 def test_cancel_of_a_running_restore_stops_it_before_any_process_is_restored(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, moto_server: MotoServer, s3_bucket: str, tmp_path: Path, started: Started
 ) -> None:
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
-    with _s3_node(nodes, "a") as (node, proxy):
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
+    with _s3_node(nodes, moto_server, s3_bucket, "a") as (node, proxy):
         ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
         assert ck.rc == 0, ck.stderr + node.log()
         w.reap()  # kill mode: gone, its pid free for a restore
@@ -274,13 +242,13 @@ def test_cancel_of_a_running_restore_stops_it_before_any_process_is_restored(
         assert restore.rc == 0, restore.stderr
         job_id = restore.json["id"]
         _until("the restore to fetch chunks", lambda: proxy.held > 0)
-        assert _job(node, job_id)["phase"] == "fetch"
+        assert node.job(job_id)["phase"] == "fetch"
 
         cancel = node.cli("cancel", job_id, "--json")
         assert cancel.rc == 0, cancel.stderr
         proxy.gate.set()
-        _until("the restore to end", lambda: _job(node, job_id)["state"] not in ("running",))
-        job = _job(node, job_id)
+        _until("the restore to end", lambda: node.job(job_id)["state"] not in ("running",))
+        job = node.job(job_id)
         assert job["state"] == "cancelled", job
         assert not proctree.exists(w.pid)  # nothing was restored
         assert not list((node.state_dir / "staging").iterdir())  # and nothing left behind
@@ -292,7 +260,7 @@ def test_cancel_of_a_running_restore_stops_it_before_any_process_is_restored(
 
 
 def test_a_configured_staging_dir_is_used_and_only_job_leftovers_are_cleaned_there(
-    nodes: Nodes, tmp_path: Path, started: list[Workload]
+    nodes: Nodes, tmp_path: Path, started: Started
 ) -> None:
     staging = tmp_path / "fast" / "staging"
     leftover = staging / "20260101T000000-abcdef"  # named like a job: a crashed job's images
@@ -311,9 +279,7 @@ def test_a_configured_staging_dir_is_used_and_only_job_leftovers_are_cleaned_the
     assert node.cli("status", "--json").json["staging_dir"] == str(staging)
     assert not (node.state_dir / "staging").exists()
 
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
     assert ck.rc == 0, ck.stderr + node.log()
     w.reap()

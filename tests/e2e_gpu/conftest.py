@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Node, Nodes, _subreaper, criu_or_skip, started  # noqa: F401
+from tests.e2e.conftest import Node, Nodes, _subreaper, started  # noqa: F401
 from tests.fakes.fake_cuda import STATE_ENV, FakeCuda
+from tests.support.criu import criu_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_DRIVER = "module:tests.fakes.fake_cuda"
@@ -45,6 +46,5 @@ class GpuNodes(Nodes):
 @pytest.fixture
 def gpu_nodes(tmp_path: Path) -> Iterator[GpuNodes]:
     criu_or_skip()
-    n = GpuNodes(tmp_path)
-    yield n
-    n.close()
+    with GpuNodes(tmp_path) as n:
+        yield n

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import proctree
+from gpusnap.daemon.host import proctree
 from tests.e2e_gpu.conftest import GpuNodes
 from tests.fakes.fake_cuda import GIB, default_devices
 from tests.support import workloads
-from tests.support.workloads import Workload
+from tests.support.workloads import Started, Workload
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,13 +29,11 @@ def _checkpoint(node, w: Workload, *extra: str):
 
 
 def test_checkpoint_locks_then_checkpoints_stamps_the_gpu_and_restore_remaps_and_unlocks(
-    gpu_nodes: GpuNodes, tmp_path: Path, started: list[Workload]
+    gpu_nodes: GpuNodes, tmp_path: Path, started: Started
 ) -> None:
     node, fake = gpu_nodes.make_gpu("a")
     node.start()
-    w = workloads.start_counter(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(5)
+    w = started(workloads.start_counter(tmp_path / "run", steps=STEPS), steps=5)
     fake.add_process(w.pid, {default_devices()[0]["uuid"]: 3 * GIB})
 
     result = _checkpoint(node, w)
@@ -63,13 +61,11 @@ def test_checkpoint_locks_then_checkpoints_stamps_the_gpu_and_restore_remaps_and
 
 
 def test_leave_running_thaws_the_gpu_state_and_the_workload_keeps_running(
-    gpu_nodes: GpuNodes, tmp_path: Path, started: list[Workload]
+    gpu_nodes: GpuNodes, tmp_path: Path, started: Started
 ) -> None:
     node, fake = gpu_nodes.make_gpu("a")
     node.start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(5)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=5)
     fake.add_process(w.pid)
 
     _checkpoint(node, w, "--leave-running")
@@ -85,16 +81,14 @@ def test_leave_running_thaws_the_gpu_state_and_the_workload_keeps_running(
 
 
 def test_a_node_with_another_driver_version_cold_starts_and_says_why(
-    gpu_nodes: GpuNodes, tmp_path: Path, started: list[Workload]
+    gpu_nodes: GpuNodes, tmp_path: Path, started: Started
 ) -> None:
     a, fake_a = gpu_nodes.make_gpu("a")
     b, fake_b = gpu_nodes.make_gpu("b")
     fake_b.update(driver_line=DRIVER_570, cuda_version=12080)
     a.start()
     b.start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
     fake_a.add_process(w.pid)
     cid = _checkpoint(a, w)["checkpoint_id"]
     w.reap()
@@ -110,7 +104,7 @@ def test_a_node_with_another_driver_version_cold_starts_and_says_why(
 
 
 def test_too_little_free_gpu_memory_on_the_target_cold_starts_with_that_reason(
-    gpu_nodes: GpuNodes, tmp_path: Path, started: list[Workload]
+    gpu_nodes: GpuNodes, tmp_path: Path, started: Started
 ) -> None:
     a, fake_a = gpu_nodes.make_gpu("a")
     b, fake_b = gpu_nodes.make_gpu("b")
@@ -119,9 +113,7 @@ def test_too_little_free_gpu_memory_on_the_target_cold_starts_with_that_reason(
     fake_b.update(devices=crowded)
     a.start()
     b.start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
     fake_a.add_process(w.pid, {crowded[0]["uuid"]: 2 * GIB})
     cid = _checkpoint(a, w)["checkpoint_id"]
     w.reap()
@@ -137,13 +129,11 @@ def test_too_little_free_gpu_memory_on_the_target_cold_starts_with_that_reason(
 
 
 def test_a_gpu_lock_timeout_fails_the_job_in_one_line_and_the_workload_runs_on(
-    gpu_nodes: GpuNodes, tmp_path: Path, started: list[Workload]
+    gpu_nodes: GpuNodes, tmp_path: Path, started: Started
 ) -> None:
     node, fake = gpu_nodes.make_gpu("a", gpu_config="lock_timeout_s = 0.2\n")
     node.start()
-    w = workloads.start_counter(tmp_path / "run", steps=0)
-    started.append(w)
-    w.wait_steps(3)
+    w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
     fake.add_process(w.pid, lock_blocked=True)
 
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
@@ -161,14 +151,12 @@ def test_a_gpu_lock_timeout_fails_the_job_in_one_line_and_the_workload_runs_on(
 
 
 def test_custom_storage_streams_gpu_memory_to_the_store_and_restore_refills_it(
-    gpu_nodes: GpuNodes, tmp_path: Path, started: list[Workload]
+    gpu_nodes: GpuNodes, tmp_path: Path, started: Started
 ) -> None:
     node, fake = gpu_nodes.make_gpu("a")
     fake.update(custom_storage=True)
     node.start()
-    w = workloads.start_counter(tmp_path / "run", steps=STEPS)
-    started.append(w)
-    w.wait_steps(5)
+    w = started(workloads.start_counter(tmp_path / "run", steps=STEPS), steps=5)
     uuid = default_devices()[0]["uuid"]
     fake.add_process(w.pid, {uuid: 5 * 1024 * 1024 + 77}, seed=3)
 

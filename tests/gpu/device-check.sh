@@ -153,7 +153,7 @@ main() {
   export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
   "$PY" - <<'PY' 2>&1 | sed 's/^/device-check: /'
 import importlib.metadata as m
-import gpusnap, gpusnap.storage, gpusnap.daemon.criu, gpusnap.daemon.gpu, pytest, pytest_timeout
+import gpusnap, gpusnap.storage, gpusnap.daemon.host.criu, gpusnap.daemon.gpu, pytest, pytest_timeout
 names = ["zstandard", "blake3", "pyfastcdc", "cryptography", "cffi", "protobuf", "grpcio",
          "cuda-bindings", "jeepney", "pytest", "pytest-timeout"]
 print("imports ok: gpusnap from " + gpusnap.__path__[0] + "; "

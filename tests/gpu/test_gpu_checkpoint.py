@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.criu import Criu
 from gpusnap.daemon.gpu import GpuCoordinator
+from gpusnap.daemon.host.criu import Criu
 
 WORKLOAD = Path(__file__).with_name("workload.py")
 STEPS = 300
@@ -238,6 +238,7 @@ def test_custom_storage_leave_running_through_a_store(
     """Device memory copied by the daemon into a file:// store and back (CUDA 13.4 drivers)."""
     if not coordinator.capabilities()["custom_storage"]:
         pytest.skip(f"driver has no custom storage: {coordinator.capabilities()['message']}")
+    from gpusnap.daemon.gpu_memory import MemoryUploads  # noqa: PLC0415
     from gpusnap.storage import generate_signing_key, open_store  # noqa: PLC0415
 
     key = tmp_path / "sign.pem"
@@ -248,7 +249,8 @@ def test_custom_storage_leave_running_through_a_store(
     _wait_lines(out, STEPS // 3)
     with open_store(f"file://{tmp_path / 'store'}", key_file=key, cache_dir=tmp_path / "c") as st:
         t0 = time.monotonic()
-        freeze = coordinator.freeze([proc.pid], store=st)
+        uploads = MemoryUploads(st)
+        freeze = coordinator.freeze([proc.pid], custom_storage=uploads.custom_storage())
         copied_s = time.monotonic() - t0
         assert freeze.memory_copy == "custom-storage"
         t1 = time.monotonic()

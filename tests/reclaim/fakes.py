@@ -7,8 +7,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from gpusnap.daemon.model import CompatVerdict, Job, JobKind, JobState
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState
 from gpusnap.daemon.reclaim.node import StoreAccess
+from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import FailedPrecondition, Unavailable, Unsupported
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpusnap.daemon.model import Job, JobState
+from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
 from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
 from gpusnap.daemon.reclaim.config import WorkloadPolicy

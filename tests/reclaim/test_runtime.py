@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.model import JobState
+from gpusnap.daemon.jobs.job import JobState
 from gpusnap.daemon.reclaim.config import MigrationConfig, TriggersConfig, WorkloadPolicy
 from gpusnap.daemon.reclaim.runtime import ReclaimRuntime
 from gpusnap.errors import FailedPrecondition

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.model import JobState
+from gpusnap.daemon.jobs.job import JobState
 from gpusnap.daemon.reclaim.config import WorkloadPolicy
 from gpusnap.daemon.reclaim.notice import Notice
 from gpusnap.daemon.reclaim.policy import PolicyEngine

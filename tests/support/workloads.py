@@ -225,6 +225,29 @@ class Workload:
         return (self.workdir / "stderr").read_text(errors="replace")
 
 
+class Started:
+    """The workloads a test started (a fixture's value): ``started(w, steps=n)`` keeps ``w``
+    and waits for its first ``n`` steps; ``kill_all`` kills and reaps whatever still runs."""
+
+    def __init__(self) -> None:
+        self._items: list[Workload] = []
+
+    def __call__(self, w: Workload, *, steps: int = 0) -> Workload:
+        self._items.append(w)
+        if steps:
+            w.wait_steps(steps)
+        return w
+
+    @property
+    def workloads(self) -> list[Workload]:
+        return list(self._items)
+
+    def kill_all(self) -> None:
+        for w in self._items:
+            with contextlib.suppress(Exception):
+                w.kill()
+
+
 def start_counter(
     workdir: Path, *, steps: int = 0, interval: float = 0.05, python: str = sys.executable
 ) -> Workload:
@@ -258,19 +281,6 @@ def start_importer(workdir: Path, modules: list[str], python: str = sys.executab
     if proc.poll() is not None:
         raise RuntimeError(f"importer exited: {w.stderr()}")
     return w
-
-
-def wait_gone(pid: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Block until ``pid`` has exited (gone, or a zombie nobody reaps), e.g. a restored process."""
-
-    def gone() -> bool:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-    _poll(gone, timeout, f"pid {pid} to exit")
 
 
 def descendants_of(pid: int) -> list[int]:

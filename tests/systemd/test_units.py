@@ -107,11 +107,13 @@ def test_service_has_the_documented_settings() -> None:
     assert s["NotifyAccess"] == ["main"]
     assert s["Restart"] == ["on-failure"]
     assert s["KillMode"] == ["mixed"]
-    assert s["RuntimeDirectory"] == ["gpusnap"]
-    assert s["RuntimeDirectoryMode"] == ["0750"]
+    # /run/gpusnap comes from the tmpfiles snippet, before every start; the daemon runs as
+    # root:root (a Group= would make CRIU need CAP_SYS_RESOURCE for every root workload).
+    assert s["ExecStartPre"] == ["/usr/bin/systemd-tmpfiles --create gpusnap.conf"]
+    assert "RuntimeDirectory" not in s
+    assert "Group" not in s
     assert s["StateDirectory"] == ["gpusnap"]
     assert s["ConfigurationDirectory"] == ["gpusnap"]
-    assert s["Group"] == ["gpusnap"]
     assert "network-online.target" in s["Wants"][0].split()
     assert "network-online.target" in s["After"][0].split()
     assert s["ExecStart"][0].endswith("--config /etc/gpusnap/gpusnapd.toml")
@@ -119,7 +121,13 @@ def test_service_has_the_documented_settings() -> None:
     assert stop.endswith("s") and int(stop[:-1]) >= 120  # AWS gives a 2 minute notice
     assert "WatchdogSec" in s
     caps = " ".join(s["CapabilityBoundingSet"]).split()
-    for cap in ("CAP_CHECKPOINT_RESTORE", "CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_NET_ADMIN"):
+    for cap in (
+        "CAP_CHECKPOINT_RESTORE",
+        "CAP_SYS_ADMIN",
+        "CAP_SYS_PTRACE",
+        "CAP_NET_ADMIN",
+        "CAP_SYS_TIME",  # CRIU sets the restored tree's time-namespace offsets
+    ):
         assert cap in caps
 
 

@@ -1,0 +1,48 @@
+"""The container reasons of the compatibility gate: what makes a container checkpoint unusable
+on this node, so the workload cold-starts instead (docs/compat.md).
+
+A checkpoint restores only into the runtime it was taken with, at the same major version (the
+checkpoint archive's layout and the runtime's metadata are the runtime's own format), and only
+where the container's image is already present: the rw-layer diff sits on top of that exact
+image, and gpusnap never pulls images from a registry.
+"""
+
+from __future__ import annotations
+
+from gpusnap.daemon.containers.model import ContainerInfo
+from gpusnap.daemon.containers.runtime import ContainerRuntime, version_tuple
+from gpusnap.errors import GpusnapError
+
+
+def container_reasons(recorded: ContainerInfo, here: ContainerRuntime) -> list[str]:
+    """Why ``recorded`` (from a checkpoint's record) cannot be restored through ``here``;
+    empty when it can. Never raises for a missing runtime: that is a reason too."""
+    reasons: list[str] = []
+    if recorded.runtime != here.name:
+        reasons.append(
+            f"container runtime differs: checkpoint taken with {recorded.runtime}, "
+            f"this node restores with {here.name}"
+        )
+        return reasons
+    try:
+        ver = here.version()
+    except GpusnapError as err:
+        return [f"container runtime unusable here: {err}"]
+    was, now = version_tuple(recorded.runtime_version), version_tuple(ver)
+    if was[:1] != now[:1]:
+        reasons.append(
+            f"{here.name} major version differs: {recorded.runtime_version} at checkpoint, "
+            f"{ver} here"
+        )
+    image = recorded.spec.image_id
+    try:
+        present = here.image_present(image)
+    except GpusnapError as err:
+        reasons.append(f"cannot tell whether image {image} is present: {err}")
+    else:
+        if not present:
+            reasons.append(
+                f"image {image} ({recorded.spec.image or 'no reference'}) is not present on "
+                "this node"
+            )
+    return reasons

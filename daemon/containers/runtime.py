@@ -1,0 +1,318 @@
+"""The one interface every container runtime offers gpusnap, and what they share.
+
+A runtime is driven through its own command-line tool (``podman``, ``runc``, ``ctr``), never
+through a library, so that the layer needs nothing but the binaries the node already runs. Each
+call runs with CRIU's directory first on ``PATH``: the runtimes look ``criu`` up there, and on
+Debian 12 the one that works is scripts/install-criu.sh's ``/usr/local/sbin/criu``, not
+Debian's 3.17.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from gpusnap.daemon.containers.model import CheckpointParts, ContainerInfo, ContainerSpec
+from gpusnap.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    GpusnapError,
+    Internal,
+    NotFound,
+    Unsupported,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CRIU = Path("/usr/local/sbin/criu")  # scripts/install-criu.sh
+DEFAULT_TIMEOUT = 600.0  # a hang guard on one runtime call, never a performance expectation
+
+
+@runtime_checkable
+class ContainerRuntime(Protocol):
+    """A container runtime gpusnap can checkpoint through. One object per runtime and storage
+    root; its methods are safe to call from the daemon's job threads one container at a time.
+    """
+
+    name: str
+
+    def version(self) -> str:
+        """The runtime's version ("4.3.1"); ``Unsupported`` when missing or too old."""
+        ...
+
+    def inspect(self, ref: str) -> ContainerInfo:
+        """The container ``ref`` (name or id): ids, host pids, image, spec, cgroup limits.
+        ``NotFound`` when this runtime has no such container."""
+        ...
+
+    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
+        """Checkpoint the running container into ``dest`` (created; must not exist) as parts.
+
+        Without ``leave_running`` the container is stopped by the checkpoint. The caller has
+        already frozen the GPU state of ``inspect(ref).pids``. ``FailedPrecondition`` when the
+        container is not running or exits meanwhile; nothing is left in ``dest`` on failure.
+        """
+        ...
+
+    def restore(self, parts: CheckpointParts, *, name: str | None = None) -> ContainerInfo:
+        """Restore ``parts`` as a running container named ``name`` (default: the checkpointed
+        name) into this runtime's storage. The checkpointed container, stopped, is replaced;
+        any other container of that name is ``AlreadyExists``. ``FailedPrecondition`` when the
+        image is not present here. Returns the restored container (its new host pids)."""
+        ...
+
+    def image_present(self, image_id: str) -> bool:
+        """Whether the image ``image_id`` ("sha256:...") is in this runtime's storage."""
+        ...
+
+    def create(self, spec: ContainerSpec, *, name: str) -> ContainerInfo:
+        """Create and start a fresh container from ``spec`` (a cold start); the image must be
+        present (gpusnap never pulls)."""
+        ...
+
+    def remove(self, ref: str) -> None:
+        """Stop (SIGKILL) and remove the container ``ref``; nothing when there is none."""
+        ...
+
+
+@dataclass
+class RuntimeTool:
+    """One runtime binary, run with CRIU first on ``PATH`` and errors made ours."""
+
+    label: str  # "podman", for messages
+    argv0: str  # the binary, a name on PATH or a path
+    base_args: Sequence[str] = ()
+    criu: Path = DEFAULT_CRIU
+    env: Mapping[str, str] = field(default_factory=dict)
+    timeout: float = DEFAULT_TIMEOUT
+    _version: str | None = field(default=None, init=False, repr=False)
+
+    def binary(self) -> str:
+        found = shutil.which(self.argv0)
+        if found is None:
+            raise Unsupported(
+                f"{self.label}: {self.argv0} not found (install it, see "
+                "scripts/install-containers.sh)"
+            )
+        return found
+
+    def environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        path = env.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        env["PATH"] = f"{self.criu.parent}:{path}"
+        return env
+
+    def run(
+        self,
+        args: Sequence[str],
+        *,
+        what: str,
+        check: bool = True,
+        timeout: float | None = None,
+        stdin: int | None = subprocess.DEVNULL,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the tool; a non-zero exit raises ``Internal`` with its stderr's last line
+        (callers translate the ones they expect)."""
+        cmd = [self.binary(), *self.base_args, *args]
+        log.debug("%s: %s", self.label, " ".join(cmd))
+        try:
+            proc = subprocess.run(
+                cmd,
+                stdin=stdin,
+                capture_output=True,
+                text=True,
+                env=self.environ(),
+                timeout=timeout or self.timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise DeadlineExceeded(
+                f"{self.label} {what}: no answer in {exc.timeout:.0f} s"
+            ) from exc
+        if check and proc.returncode != 0:
+            raise Internal(f"{self.label} {what} failed: {last_line(proc.stderr or proc.stdout)}")
+        return proc
+
+    def version(self, args: Sequence[str], minimum: tuple[int, ...]) -> str:
+        """The version the tool prints for ``args`` (asked once); ``Unsupported`` below
+        ``minimum``."""
+        if self._version is None:
+            proc = self.run(args, what="version", check=False, timeout=60)
+            ver = parse_version(proc.stdout + proc.stderr)
+            require_version(self.label, ver, minimum)
+            self._version = ver
+        return self._version
+
+
+def last_line(text: str) -> str:
+    """The most telling line of a tool's failure, for a one-line error: CRIU's first
+    ``Error (...)`` line when the tool names CRIU's log ("log file: PATH"), else its last line."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if not lines:
+        return "(no output)"
+    m = _LOG_FILE.search(text)
+    if m:
+        criu_error = _criu_error(Path(m.group(1)))
+        if criu_error:
+            return f"{lines[-1]}: {criu_error}"
+    return lines[-1]
+
+
+_LOG_FILE = re.compile(r"log file:? (/\S+\.log)")
+
+
+# CRIU "Error" lines that are not the cause: a limit it only tries to raise (no
+# CAP_SYS_RESOURCE in a VM's sandbox), and the summaries and teardown after the real one.
+_CRIU_NOISE = ("RLIMIT_NOFILE for self", "FAILED", "cgroupd", "Unable to open fd=")
+
+
+def _criu_error(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    errors = [x.strip() for x in text.splitlines() if "Error (" in x]
+    telling = [x for x in errors if not any(n in x for n in _CRIU_NOISE)]
+    return (telling or errors or [""])[0]
+
+
+_VERSION = re.compile(r"(?<![\w.])v?(\d+\.\d+(?:\.\d+)?)")
+
+
+def parse_version(text: str) -> str:
+    """The first dotted version number in a tool's version output ("" when there is none)."""
+    m = _VERSION.search(text)
+    return m.group(1) if m else ""
+
+
+def version_tuple(ver: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in ver.split(".") if x.isdigit())
+
+
+def require_version(label: str, ver: str, minimum: tuple[int, ...]) -> None:
+    """``Unsupported`` naming the runtime when ``ver`` is unknown or older than ``minimum``."""
+    want = ".".join(str(x) for x in minimum)
+    if not ver:
+        raise Unsupported(f"{label}: cannot tell its version; gpusnap needs {label} >= {want}")
+    if version_tuple(ver) < minimum:
+        raise Unsupported(f"{label} {ver} is too old; gpusnap needs {label} >= {want}")
+
+
+def live_facts(pid: int, running: bool) -> tuple[tuple[int, ...], dict[str, str]]:
+    """Host pids and cgroup limits of a container whose init is ``pid``; nothing when it is
+    not running or exits between the reads."""
+    if not running or pid <= 0:
+        return (), {}
+    try:
+        return host_pids(pid), cgroup_limits(pid)
+    except FailedPrecondition:
+        return (), {}
+
+
+@contextmanager
+def checkpoint_attempt(
+    label: str, info: ContainerInfo, dest: Path, still_running: Callable[[], bool]
+) -> Iterator[None]:
+    """Around a runtime's checkpoint into ``dest``: on failure nothing is left in ``dest``, and
+    a container that is gone or stopped since is said to have exited during the checkpoint
+    (the job body's GPU freeze, or the runtime's own, came first)."""
+    try:
+        yield
+    except GpusnapError as err:
+        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            running = still_running()
+        except NotFound:
+            running = False
+        if not running:
+            raise FailedPrecondition(
+                f"{label}: container {info.name!r} exited during the checkpoint ({err})"
+            ) from err
+        raise
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+# --- host facts of a container's processes ------------------------------------------------
+
+
+def pid_namespace(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError as exc:
+        raise FailedPrecondition(f"process {pid} is gone") from exc
+
+
+def host_pids(init_pid: int) -> tuple[int, ...]:
+    """Host pids of every process in ``init_pid``'s pid namespace, init first.
+
+    A container's processes share its init's pid namespace (nested ones are children of a
+    process in it and are frozen with it by CRIU), so this is runtime-agnostic and needs no
+    cgroup layout."""
+    ns = pid_namespace(init_pid)
+    out = [init_pid]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == init_pid:
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                out.append(int(entry))
+        except OSError:
+            continue  # exited meanwhile, or a kernel thread
+    return (out[0], *sorted(out[1:]))
+
+
+# cgroup v2 file, cgroup v1 (controller, file), the key recorded
+_LIMITS = (
+    ("memory.max", ("memory", "memory.limit_in_bytes"), "memory"),
+    ("pids.max", ("pids", "pids.max"), "pids"),
+    ("cpu.max", ("cpu", "cpu.cfs_quota_us"), "cpu"),
+    ("cpuset.cpus.effective", ("cpuset", "cpuset.cpus"), "cpuset"),
+)
+
+
+def cgroup_limits(pid: int, root: Path = Path("/sys/fs/cgroup")) -> dict[str, str]:
+    """The limits the kernel enforces on ``pid``: memory, pids, cpu, cpuset, from whichever
+    cgroup hierarchy holds each controller (v2, v1, or hybrid)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError as exc:
+        raise FailedPrecondition(f"process {pid} is gone") from exc
+    v1: dict[str, str] = {}
+    v2 = ""
+    for line in lines:
+        hid, ctrls, path = line.split(":", 2)
+        if hid == "0" and ctrls == "":
+            v2 = path
+        for c in ctrls.split(","):
+            if c:
+                v1[c] = path
+    out: dict[str, str] = {}
+    unified = root / "unified" if (root / "unified").is_dir() else root
+    for v2file, (ctrl, v1file), key in _LIMITS:
+        candidates = []
+        if ctrl in v1:
+            candidates.append(root / ctrl / v1[ctrl].lstrip("/") / v1file)
+        if v2:
+            candidates.append(unified / v2.lstrip("/") / v2file)
+        for f in candidates:
+            try:
+                value = f.read_text().strip()
+                if f.name == "cpu.cfs_quota_us":  # v1: written as v2's "QUOTA PERIOD"
+                    period = (f.parent / "cpu.cfs_period_us").read_text().strip()
+                    value = f"{'max' if value == '-1' else value} {period}"
+                out[key] = value
+                break
+            except OSError:
+                continue
+    return out

@@ -1,0 +1,105 @@
+"""Cold start: run a workload's launch spec fresh, detached from the daemon.
+
+Used when a checkpoint does not fit this node. The spec comes from this node's config for the
+workload (``start = {...}``) when it has one, else from the launch spec recorded in the
+checkpoint's (authenticated) stamp. The process gets a new session, stdin from /dev/null and
+stdout/stderr appended to a log file in the state directory, and runs as the recorded user.
+The daemon keeps the ``Popen`` only to reap the process when it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpusnap.daemon.config import StartSpec
+from gpusnap.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchSpec(StartSpec):
+    """A start spec (command, cwd, env, user) and where it came from: this node's config for
+    the workload, or the checkpoint's stamp."""
+
+    source: str = "config"  # config | checkpoint
+
+
+def from_config(start: StartSpec) -> LaunchSpec:
+    return LaunchSpec(start.command, start.cwd, dict(start.env), start.user, source="config")
+
+
+def from_stamp(launch: Any) -> LaunchSpec:
+    """The launch spec a checkpoint recorded; ``InvalidArgument`` when it has none usable."""
+    if not isinstance(launch, Mapping):
+        raise InvalidArgument("the checkpoint records no launch spec; cannot cold-start")
+    command = launch.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+        raise InvalidArgument("the checkpoint's launch spec has no command; cannot cold-start")
+    env = launch.get("env") or {}
+    if not isinstance(env, Mapping):
+        env = {}
+    cwd = launch.get("cwd")
+    user = launch.get("user")
+    return LaunchSpec(
+        tuple(command),
+        cwd if isinstance(cwd, str) else None,
+        {str(k): str(v) for k, v in env.items()},
+        user if isinstance(user, str) else None,
+        source="checkpoint",
+    )
+
+
+def launch(spec: LaunchSpec, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``spec`` detached; ``FailedPrecondition`` (one line) when it cannot start."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    user: str | int | None = None
+    if spec.user is not None:
+        try:
+            pw = (
+                pwd.getpwnam(spec.user) if not spec.user.isdigit() else pwd.getpwuid(int(spec.user))
+            )
+        except KeyError:
+            raise FailedPrecondition(
+                f"cold start: user {spec.user!r} does not exist on this node"
+            ) from None
+        if pw.pw_uid != os.geteuid():
+            user = pw.pw_uid
+    cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else None
+    if spec.cwd and cwd is None:
+        log.warning("cold start: working directory %s is missing here; using /", spec.cwd)
+        cwd = "/"
+    try:
+        with open(os.devnull, "rb") as stdin, open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                list(spec.command),
+                stdin=stdin,
+                stdout=out,
+                stderr=out,
+                cwd=cwd,
+                env=_environment(spec),
+                user=user,
+                start_new_session=True,
+                close_fds=True,
+            )
+    except OSError as exc:
+        raise FailedPrecondition(
+            f"cold start: cannot run {spec.command[0]!r}: {exc.strerror or exc}"
+        ) from exc
+    log.info("cold start: started %s as pid %d (log %s)", spec.command[0], proc.pid, log_path)
+    return proc
+
+
+def _environment(spec: LaunchSpec) -> dict[str, str]:
+    """A recorded environment is the process's whole environment; a configured one adds to
+    the daemon's own (so PATH and the like need not be repeated in the config)."""
+    if spec.source == "checkpoint":
+        return dict(spec.env)
+    return {**os.environ, **spec.env}

@@ -1,0 +1,61 @@
+"""Which process tree a checkpoint takes, and the trees no checkpoint can capture.
+
+A configured workload is found by its ``pid_file``, ``systemd_unit`` or ``match``; a ``--pid``
+names its root itself. Either way init and kernel threads are refused with the reason, and the
+daemon never finds itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpusnap.daemon.config import WorkloadConfig
+from gpusnap.daemon.host import proctree
+from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
+
+
+def workload_root(w: WorkloadConfig) -> int:
+    """The root pid of the configured workload ``w``'s running tree."""
+    if w.pid_file is None and w.systemd_unit is None and w.match is None:
+        raise FailedPrecondition(
+            f"workload {w.name} has no pid_file, systemd_unit or match in the config; "
+            "checkpoint it with --pid"
+        )
+    pids = proctree.find_pids(
+        pid_file=str(w.pid_file) if w.pid_file else None,
+        systemd_unit=w.systemd_unit,
+        match=w.match,
+    )
+    pids = [p for p in pids if p != os.getpid()]
+    if not pids:
+        raise NotFound(f"workload {w.name} is not running (no process found)")
+    check_checkpointable(pids[0], workload=w.name)
+    return pids[0]
+
+
+def pid_root(pid: int) -> int:
+    """``pid`` itself, once it is known to be a live process a checkpoint can take."""
+    if not 0 < pid <= proctree.PID_MAX_LIMIT:
+        raise InvalidArgument(f"not a process id: {pid} (1 to {proctree.PID_MAX_LIMIT})")
+    if pid == os.getpid():
+        raise InvalidArgument("gpusnapd cannot checkpoint itself")
+    if not proctree.exists(pid):
+        raise NotFound(f"no such process: {pid}")
+    check_checkpointable(pid)
+    return pid
+
+
+def check_checkpointable(pid: int, *, workload: str | None = None) -> None:
+    """Refuse, with the reason, a process no checkpoint can capture."""
+    what = f"workload {workload}: pid {pid}" if workload else f"pid {pid}"
+    if pid == 1:
+        raise InvalidArgument(
+            f"{what} is init: gpusnapd does not checkpoint PID 1 (a kill-mode dump would "
+            "stop the whole system or container, and it could be restored only as the init "
+            "of a new one)"
+        )
+    if proctree.is_kernel_thread(pid):
+        raise InvalidArgument(
+            f"{what} ({proctree.comm(pid)}) is a kernel thread: it has no user memory "
+            "and cannot be checkpointed"
+        )

@@ -1,0 +1,124 @@
+"""This node, as the job bodies see it: ``Node`` holds the parts a checkpoint or restore uses.
+
+The service builds one ``Node`` at start and hands it to every job body (``checkpoint.py``,
+``restore.py``, ``rescue.py``); a body never sees the service, so nothing calls back into it.
+A ``Node`` holds: the config, CRIU, GPU support, the store (opened lazily), the state
+directories, this host's facts, and the reaper that adopts what a job restores or starts. It
+also answers the compatibility gate for a manifest (host rules and GPU rules together).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from gpusnap.daemon.compat import NodeFacts, check_compat
+from gpusnap.daemon.config import Config
+from gpusnap.daemon.gpu.adapter import GpuAdapter
+from gpusnap.daemon.host.criu import Criu
+from gpusnap.daemon.host.reaper import Reaper
+from gpusnap.daemon.stamp import gpusnap_stamp, host_stamp
+from gpusnap.daemon.statedir import StateDirs
+from gpusnap.daemon.verdict import Reason
+from gpusnap.errors import FailedPrecondition, GpusnapError
+from gpusnap.storage import CheckpointStore, Manifest, open_store
+
+log = logging.getLogger(__name__)
+
+
+class StoreHandle:
+    """Opens the store lazily and again after a failure: an unreachable store at start is a
+    warning, and each job that needs it fails with ``Unavailable`` until it is back."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._store: CheckpointStore | None = None
+        self._lock = threading.Lock()
+        self.last_error: str | None = None
+
+    def get(self) -> CheckpointStore:
+        with self._lock:
+            if self._store is None:
+                s = self._config.store
+                try:
+                    self._store = open_store(
+                        s.url,
+                        key_file=s.key_file,
+                        encryption_key_file=s.encryption_key_file,
+                        options=s.options,
+                        verify=s.verify,
+                        cache_dir=s.cache_dir or (self._config.daemon.state_dir / "cache"),
+                        workers=s.workers,
+                    )
+                except GpusnapError as err:
+                    self.last_error = str(err)
+                    raise
+                self.last_error = None
+            return self._store
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+
+class HostFacts:
+    """The ``host`` section of this node's stamps, probed once (CRIU's version with it)."""
+
+    def __init__(self, criu: Criu, node_id: str | None) -> None:
+        self._criu = criu
+        self._node_id = node_id
+        self._host: dict[str, Any] | None = None
+
+    def get(self) -> dict[str, Any]:
+        if self._host is None:
+            major, minor, patch = self._criu.version()
+            self._host = host_stamp(criu_version=f"{major}.{minor}.{patch}", node_id=self._node_id)
+        return self._host
+
+
+@dataclass(frozen=True)
+class Node:
+    """What a job body may use of this node; see the module docstring."""
+
+    config: Config
+    criu: Criu
+    gpu: GpuAdapter
+    store: StoreHandle
+    dirs: StateDirs
+    host: HostFacts
+    reaper: Reaper
+
+    def adopt(self, pid: int, proc: subprocess.Popen[bytes] | None = None) -> None:
+        """Reap ``pid`` when it exits (a restored root made our child, or a cold start)."""
+        self.reaper.adopt(pid, proc)
+
+    def require_verified(self, what: str) -> None:
+        """Refuse to act on a manifest this daemon cannot authenticate: a restore runs the
+        checkpointed tree, a cold start runs the manifest's launch spec (as root), so neither
+        may come from a store read with ``[store] verify = false``."""
+        if not self.config.store.verify:
+            raise FailedPrecondition(
+                f"refusing to {what}: manifest authenticity is not verified "
+                "([store] verify = false)"
+            )
+
+    def facts(self, workload: str | None) -> NodeFacts:
+        """What the gate compares a stamp with, for ``workload``'s config on this node."""
+        return NodeFacts(
+            host=self.host.get(),
+            gpusnap=gpusnap_stamp(),
+            workload=self.config.workload(workload) if workload else None,
+        )
+
+    def reasons(self, manifest: Manifest) -> list[Reason]:
+        """Every reason ``manifest`` cannot be restored here (empty: compatible)."""
+        stamp = manifest.stamp
+        reasons = check_compat(stamp, self.facts(manifest.workload))
+        gpu_stamp = stamp.get("gpu")
+        reasons += self.gpu.compat_reasons(gpu_stamp if isinstance(gpu_stamp, dict) else {})
+        return reasons

@@ -1,0 +1,152 @@
+"""What ``gpusnap status`` and ``gpusnap workloads`` show: the daemon, this node, each workload.
+
+Read-only answers built from the node (``node.Node``) and the job executor; every key is a
+contract of the CLI's ``--json`` output (``docs/api.md``). A store that cannot be asked is
+reported in the answer (``store_error``, ``reachable: false``), never raised.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gpusnap
+from gpusnap.daemon.config import WorkloadConfig
+from gpusnap.daemon.host.target import workload_root
+from gpusnap.daemon.jobs.job import Job
+from gpusnap.daemon.node import Node
+from gpusnap.errors import GpusnapError
+
+
+@dataclass(frozen=True)
+class DaemonFacts:
+    """What the status says of the daemon process itself, besides the node."""
+
+    started_at: float
+    jobs_running: int
+    interrupted_at_start: list[str]
+    triggers: bool  # a trigger manager is attached
+
+
+def last_checkpoints(node: Node) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Each configured workload's latest committed checkpoint in the store: ``{name:
+    {last_checkpoint_id, last_checkpoint_at, last_checkpoint_age_seconds}}`` (None when it
+    has none), and the store's error when it could not be asked."""
+    names = [w.name for w in node.config.workloads]
+    empty: dict[str, Any] = {
+        "last_checkpoint_id": None,
+        "last_checkpoint_at": None,
+        "last_checkpoint_age_seconds": None,
+    }
+    out = {n: dict(empty) for n in names}
+    if not names:
+        return out, None
+    now = time.time()
+    try:
+        store = node.store.get()
+        for name in names:
+            summary = store.latest(name)
+            if summary is not None:
+                out[name].update(
+                    last_checkpoint_id=summary.checkpoint_id,
+                    last_checkpoint_at=summary.created_at,
+                    last_checkpoint_age_seconds=round(max(0.0, now - summary.created_at), 3),
+                )
+    except GpusnapError as err:
+        return out, str(err)
+    return out, None
+
+
+def workloads(node: Node, active: Callable[[str], Job | None]) -> list[dict[str, Any]]:
+    """The configured workloads: running or not, how each is found, its identity, its active
+    checkpoint job (``active``) and its latest checkpoint."""
+    out: list[dict[str, Any]] = []
+    last, store_error = last_checkpoints(node)
+    for w in node.config.workloads:
+        pid: int | None
+        try:
+            pid = workload_root(w)
+        except GpusnapError:
+            pid = None
+        job = active(w.name)
+        out.append(
+            {
+                "name": w.name,
+                "running": pid is not None,
+                "pid": pid,
+                "finder": _finder(w),
+                "engine": (
+                    "probed"
+                    if w.engine_probed
+                    else f"{w.engine.name} {w.engine.version}"
+                    if w.engine
+                    else None
+                ),
+                "model": f"{w.model.name}@{w.model.revision}" if w.model else None,
+                "active_job": job.id if job else None,
+                **last[w.name],
+                "store_error": store_error,
+            }
+        )
+    return out
+
+
+def _finder(w: WorkloadConfig) -> str:
+    if w.pid_file:
+        return f"pid_file {w.pid_file}"
+    if w.systemd_unit:
+        return f"systemd_unit {w.systemd_unit}"
+    if w.match:
+        return f"match {w.match}"
+    return "none"
+
+
+def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
+    """The whole ``gpusnap status`` answer."""
+    store_ok = True
+    store_error: str | None = None
+    try:
+        node.store.get()
+    except GpusnapError as err:
+        store_ok, store_error = False, str(err)
+    try:
+        host: dict[str, Any] = node.host.get()
+    except GpusnapError as err:
+        host = {"error": str(err)}
+    gpu = node.gpu.capabilities()
+    last, list_error = last_checkpoints(node)
+    if store_ok and list_error is not None:
+        store_ok, store_error = False, list_error
+    config = node.config
+    return {
+        "version": gpusnap.__version__,
+        "node_id": host.get("node_id"),
+        "pid": os.getpid(),
+        "uptime_seconds": round(time.time() - daemon.started_at, 3),
+        "socket": str(config.daemon.socket),
+        "state_dir": str(node.dirs.state),
+        "staging_dir": str(node.dirs.staging),
+        "store": {"url": config.store.url, "reachable": store_ok, "error": store_error},
+        "host": host,
+        "gpu": gpu,
+        "capabilities": {
+            "criu": _criu_line(node),
+            "gpu": str(gpu.get("message") or ("present" if gpu.get("driver_present") else "none")),
+            "store": "reachable" if store_ok else f"unreachable: {store_error}",
+        },
+        "jobs_running": daemon.jobs_running,
+        "workloads": [{"name": name, **info} for name, info in last.items()],
+        "interrupted_at_start": daemon.interrupted_at_start,
+        "triggers": daemon.triggers,
+    }
+
+
+def _criu_line(node: Node) -> str:
+    try:
+        major, minor, patch = node.criu.version()
+        return f"criu {major}.{minor}.{patch} at {node.criu.path}"
+    except GpusnapError as err:
+        return f"unavailable: {err}"

@@ -1,0 +1,193 @@
+"""Fixtures for the container tests: two podman storage roots ("node A" and "node B") on this
+machine, each with the test image loaded, and the generation-loop container they run.
+
+Everything is real: podman 4.3 with runc, CRIU 4.1 from /usr/local/sbin, containers started by
+the tests. The roots live for the session (loading the image costs seconds); each test names
+its containers uniquely and removes them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.containers import ContainerSpec, Mount, PodmanRuntime, Ulimit
+from tests.containers.image import IMAGE_REF, WORKLOAD_DIR, image_archive
+
+TIMEOUT = 120.0  # a hang guard, never a performance expectation
+# What podman needs here (docs/containers.md): the defaults ask for more than the host allows.
+ULIMITS = (Ulimit("nofile", 20000, 20000), Ulimit("nproc", 32768, 32768))
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "container checkpoints need root"
+    for tool in ("podman", "runc"):
+        if shutil.which(tool) is None:
+            return f"{tool} missing: run scripts/install-containers.sh"
+    if not Path("/usr/local/sbin/criu").exists():
+        return "CRIU missing: run scripts/install-criu.sh"
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    reason = _skip_reason()
+    for item in items:
+        if reason and Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@dataclass
+class Node:
+    """One podman storage root, standing for one node."""
+
+    name: str
+    dir: Path  # runroot, tmpdir, runc state (short paths)
+    podman_root: Path
+    podman: PodmanRuntime
+
+
+def make_node(base: Path, name: str, archive: Path) -> Node:
+    # podman refuses a runroot path longer than 50 characters; pytest's tmp paths can be.
+    d = Path(tempfile.mkdtemp(prefix=f"gpusnap-{name}-", dir="/tmp"))
+    rt = PodmanRuntime(
+        root=base / name / "root",
+        runroot=d / "run",
+        tmpdir=d / "tmp",
+        runtime_root=d / "runc",
+        cgroup_manager="cgroupfs",
+        events_backend="file",
+    )
+    rt.tool.run(["load", "--input", str(archive)], what="load", timeout=300)
+    return Node(name, d, base / name / "root", rt)
+
+
+def _teardown(node: Node) -> None:
+    node.podman.tool.run(["rm", "--all", "--force", "--time", "0"], what="rm", check=False)
+    node.podman.tool.run(["system", "reset", "--force"], what="reset", check=False)
+    shutil.rmtree(node.dir, ignore_errors=True)
+    shutil.rmtree(node.podman_root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def image() -> Path:
+    return image_archive()
+
+
+@pytest.fixture(scope="session")
+def nodes(tmp_path_factory: pytest.TempPathFactory, image: Path) -> Iterator[tuple[Node, Node]]:
+    base = tmp_path_factory.mktemp("podman-nodes")
+    a = make_node(base, "a", image)
+    b = make_node(base, "b", image)
+    try:
+        yield a, b
+    finally:
+        _teardown(a)
+        _teardown(b)
+
+
+@pytest.fixture
+def node_a(nodes: tuple[Node, Node]) -> Node:
+    return nodes[0]
+
+
+@pytest.fixture
+def node_b(nodes: tuple[Node, Node]) -> Node:
+    return nodes[1]
+
+
+def image_id(node: Node) -> str:
+    proc = node.podman.tool.run(
+        ["image", "inspect", "--format", "{{.Id}}", IMAGE_REF], what="image inspect"
+    )
+    return "sha256:" + proc.stdout.strip()
+
+
+def genloop_spec(
+    node: Node, out: Path, *, steps: int, interval: float = 0.02, weights_mib: int = 16
+) -> ContainerSpec:
+    """The spec of a container running the generation loop, writing tokens into ``out``."""
+    return genloop_spec_for(
+        image_id(node), out, steps=steps, interval=interval, weights_mib=weights_mib
+    )
+
+
+def genloop_spec_for(
+    image: str, out: Path, *, steps: int, interval: float = 0.02, weights_mib: int = 16
+) -> ContainerSpec:
+    """``genloop_spec`` for the image id ``image``, on any runtime."""
+    return ContainerSpec(
+        image=IMAGE_REF,
+        image_id=image,
+        command=(
+            "python3",
+            "/gen/genloop.py",
+            "/out",
+            str(steps),
+            str(interval),
+            str(weights_mib),
+            "/var/log/genloop.log",
+        ),
+        mounts=(Mount("/gen", str(WORKLOAD_DIR), options=("ro",)), Mount("/out", str(out))),
+        ulimits=ULIMITS,
+        network="none",
+    )
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def reference(tmp: Path, steps: int, weights_mib: int = 16) -> bytes:
+    """The tokens of an uninterrupted run (on the host's python, without sleeps)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(WORKLOAD_DIR / "genloop.py"),
+            str(tmp),
+            str(steps),
+            "0",
+            str(weights_mib),
+        ],
+        check=True,
+        timeout=TIMEOUT,
+    )
+    return (tmp / "tokens").read_bytes()
+
+
+def lines(out: Path) -> int:
+    try:
+        return (out / "tokens").read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def wait_lines(out: Path, n: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while lines(out) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{out}/tokens has {lines(out)} lines, waited for {n}")
+        time.sleep(0.05)
+
+
+def wait_done(out: Path) -> bytes:
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        data = (out / "tokens").read_bytes() if (out / "tokens").exists() else b""
+        if data.endswith(b"done\n"):
+            return data
+        if time.monotonic() > deadline:
+            n = data.count(b"\n")
+            raise AssertionError(f"{out}/tokens never reached done ({n} lines)")
+        time.sleep(0.05)

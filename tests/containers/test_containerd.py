@@ -1,0 +1,114 @@
+"""containerd containers checkpointed into parts and restored, through ``ctr`` and a containerd
+the test starts itself (its own root, state dir and socket, the CRI plugin disabled)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.containers import ContainerdRuntime, load_parts
+from tests.containers.conftest import (
+    genloop_spec_for,
+    lines,
+    reference,
+    unique,
+    wait_done,
+    wait_lines,
+)
+from tests.containers.image import IMAGE_REF
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+STEPS = 150
+
+
+@pytest.fixture(scope="module")
+def containerd(image: Path) -> Iterator[ContainerdRuntime]:
+    if shutil.which("containerd") is None or shutil.which("ctr") is None:
+        pytest.skip("containerd missing: run scripts/install-containers.sh")
+    d = Path(tempfile.mkdtemp(prefix="gpusnap-ctrd-", dir="/tmp"))
+    sock = d / "sock"
+    (d / "config.toml").write_text(
+        f'version = 2\nroot = "{d}/root"\nstate = "{d}/state"\n'
+        'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+        f'[grpc]\n  address = "{sock}"\n'
+    )
+    with open(d / "containerd.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["containerd", "--config", str(d / "config.toml")],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+    rt = ContainerdRuntime(address=sock, namespace="gpusnap-test")
+    try:
+        deadline = time.monotonic() + 60
+        while rt.tool.run(["version"], what="version", check=False).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.skip(f"containerd did not start: see {d}/containerd.log")
+            time.sleep(0.2)
+        rt.tool.run(
+            ["images", "import", "--base-name", IMAGE_REF.split(":")[0], str(image)],
+            what="import",
+            timeout=300,
+        )
+        yield rt
+    finally:
+        for line in rt.tool.run(["containers", "ls", "-q"], what="ls", check=False).stdout.split():
+            rt.remove(line)
+        proc.terminate()
+        proc.wait(timeout=60)
+        subprocess.run(["umount", "-R", str(d / "state")], capture_output=True, check=False)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _image_id(rt: ContainerdRuntime) -> str:
+    return rt._images()[IMAGE_REF]
+
+
+def test_containerd_restore_in_place_continues_bit_exactly(
+    containerd: ContainerdRuntime, tmp_path: Path
+) -> None:
+    expected = reference(tmp_path / "ref", STEPS)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("ctrd")
+    spec = genloop_spec_for(_image_id(containerd), out, steps=STEPS)
+    containerd.create(spec, name=name)
+    try:
+        wait_lines(out, STEPS // 3)
+        parts = containerd.checkpoint(name, tmp_path / "ckpt", leave_running=False)
+        assert lines(out) < STEPS
+        assert {"criu", "rootfs-diff", "config"} <= set(parts.parts.values())
+        print(f"FIGURE containerd_checkpoint seconds={parts.seconds:.3f} sizes={parts.sizes()}")
+        restored = containerd.restore(load_parts(parts.directory))
+        assert restored.running
+        assert wait_done(out) == expected
+    finally:
+        containerd.remove(name)
+
+
+def test_containerd_leave_running_checkpoint_restores_under_a_new_name(
+    containerd: ContainerdRuntime, tmp_path: Path
+) -> None:
+    expected = reference(tmp_path / "ref", STEPS)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("ctrd")
+    before = containerd.create(genloop_spec_for(_image_id(containerd), out, steps=STEPS), name=name)
+    try:
+        wait_lines(out, STEPS // 3)
+        parts = containerd.checkpoint(name, tmp_path / "ckpt", leave_running=True)
+        assert containerd.inspect(name).pids == before.pids
+        assert wait_done(out) == expected
+        containerd.restore(load_parts(parts.directory), name=f"{name}-copy")
+        assert wait_done(out) == expected
+    finally:
+        containerd.remove(name)
+        containerd.remove(f"{name}-copy")

@@ -1,0 +1,139 @@
+"""runc containers (bundles with an overlay rootfs over an image directory) checkpointed into
+parts and restored, in place and on "another node" (a second runc state root and bundle dir),
+with real runc and CRIU."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpusnap.daemon.containers import RuncRuntime, container_reasons, load_parts
+from gpusnap.errors import FailedPrecondition, Unsupported
+from tests.containers.conftest import (
+    TIMEOUT,
+    genloop_spec_for,
+    lines,
+    reference,
+    unique,
+    wait_done,
+    wait_lines,
+)
+from tests.containers.image import rootfs_tar
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+STEPS = 150
+IMAGE_ID = "sha256:" + "6e" * 32  # the id the test gives its image directory
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("runc-images")
+    rootfs = d / IMAGE_ID.removeprefix("sha256:") / "rootfs"
+    rootfs.mkdir(parents=True)
+    subprocess.run(
+        ["tar", "-C", str(rootfs), "-xf", str(rootfs_tar())], check=True, timeout=TIMEOUT
+    )
+    return d
+
+
+def _node(images: Path, name: str) -> Iterator[RuncRuntime]:
+    d = Path(tempfile.mkdtemp(prefix=f"gpusnap-runc-{name}-", dir="/tmp"))
+    rt = RuncRuntime(root=d / "state", bundles=d / "bundles", images=images)
+    try:
+        yield rt
+    finally:
+        proc = rt.tool.run(["list", "--quiet"], what="list", check=False)
+        for ref in proc.stdout.split():
+            rt.remove(ref)
+        for rootfs in (d / "bundles").glob("*/rootfs"):  # bundles whose container never ran
+            subprocess.run(["umount", str(rootfs)], capture_output=True, check=False)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def runc_a(images: Path) -> Iterator[RuncRuntime]:
+    yield from _node(images, "a")
+
+
+@pytest.fixture
+def runc_b(images: Path) -> Iterator[RuncRuntime]:
+    yield from _node(images, "b")
+
+
+def test_runc_restore_in_place_continues_bit_exactly(runc_a: RuncRuntime, tmp_path: Path) -> None:
+    expected = reference(tmp_path / "ref", STEPS)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("runc")
+    runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
+    wait_lines(out, STEPS // 3)
+    parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=False)
+    assert lines(out) < STEPS
+    assert any(p.startswith("criu/pages-") for p in parts.parts)
+    assert {"config.json", "rootfs-diff.tar"} <= set(parts.parts)
+    print(f"FIGURE runc_checkpoint seconds={parts.seconds:.3f} sizes={parts.sizes()}")
+    restored = runc_a.restore(load_parts(parts.directory))
+    assert restored.running and restored.name == name
+    assert wait_done(out) == expected
+
+
+def test_runc_restore_on_another_node_with_a_new_name_continues_bit_exactly(
+    runc_a: RuncRuntime, runc_b: RuncRuntime, tmp_path: Path
+) -> None:
+    expected = reference(tmp_path / "ref", STEPS)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("runc")
+    runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
+    wait_lines(out, STEPS // 3)
+    parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=False)
+    assert container_reasons(parts.container, runc_b) == []
+    restored = runc_b.restore(load_parts(parts.directory), name=f"{name}-b")
+    assert restored.running
+    assert wait_done(out) == expected
+    # The rw layer came along in the rootfs diff: the log the loop keeps in the container.
+    log = runc_b.bundles / f"{name}-b" / "upper" / "var/log/genloop.log"
+    assert log.read_bytes() == expected.removesuffix(b"done\n")
+
+
+def test_runc_leave_running_keeps_the_container_serving(
+    runc_a: RuncRuntime, tmp_path: Path
+) -> None:
+    expected = reference(tmp_path / "ref", STEPS)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("runc")
+    before = runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
+    wait_lines(out, STEPS // 3)
+    parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=True)
+    assert runc_a.inspect(name).pids == before.pids
+    assert parts.leave_running
+    assert wait_done(out) == expected
+
+
+def test_runc_restore_without_the_image_is_refused_with_the_reason(
+    runc_a: RuncRuntime, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("runc")
+    runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
+    wait_lines(out, 10)
+    parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=True)
+    elsewhere = RuncRuntime(root=tmp_path / "s", bundles=tmp_path / "b", images=tmp_path / "i")
+    reasons = container_reasons(parts.container, elsewhere)
+    assert len(reasons) == 1 and IMAGE_ID in reasons[0]
+    with pytest.raises(FailedPrecondition, match="not present here"):
+        elsewhere.restore(load_parts(parts.directory), name=f"{name}-x")
+
+
+def test_a_missing_runc_is_a_clear_error_naming_it(tmp_path: Path) -> None:
+    rt = RuncRuntime(binary=str(tmp_path / "no-runc"))
+    with pytest.raises(Unsupported, match=r"runc: .*no-runc not found"):
+        rt.inspect("anything")
