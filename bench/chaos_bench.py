@@ -3,7 +3,7 @@
     .venv/bin/python bench/chaos_bench.py --chaos-rounds 20 [--seed S] [--json-out FILE]
                                           [--only kill-file,storms,...]
 
-The same scenarios, harness and audit as ``tests/chaos`` (which runs 2 rounds of each in CI),
+The same scenarios, harness and audit as ``tests/chaos`` (which runs 3 rounds of each in CI),
 with real ``gpusnap`` processes, real files, a small real tmpfs for the full disk (root; left
 out otherwise) and a moto server behind the fault-injecting proxy on 127.0.0.1. Prints, per
 scenario and in all: faults injected (and armed but missed: the push ended first),

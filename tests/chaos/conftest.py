@@ -3,7 +3,7 @@ the suite's one moto server (``tests/conftest.py``), stores.
 
 The seed comes from ``GPUSNAP_CHAOS_SEED`` (default: a new one each run, printed by every
 test and named in every failure, so that a failure replays with that variable set); the
-rounds of each fault from ``GPUSNAP_CHAOS_ROUNDS`` (default 2, a size for CI; the long run
+rounds of each fault from ``GPUSNAP_CHAOS_ROUNDS`` (default 3, a size for CI; the long run
 is ``bench/chaos_bench.py --chaos-rounds N``).
 """
 
@@ -23,7 +23,7 @@ from tests.chaos.harness import ChaosStore
 from tests.chaos.scenarios import ChaosProxy
 from tests.support.moto_server import MotoServer
 
-DEFAULT_ROUNDS = 2
+DEFAULT_ROUNDS = 3
 
 
 @dataclass(frozen=True)
