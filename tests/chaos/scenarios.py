@@ -66,8 +66,16 @@ def kill_pushes(
             target = written() + rng.randint(0, (1 + 2 * fresh) * (3 if proxy else 1))
             kill = lambda target=target: written() >= target  # noqa: E731
             how = f"at {target} chunk writes"
-        rc, _err, _new = store.push_and_record(image, "killed", parent, kill=kill)
-        (store.tally.faults if rc == -9 else store.tally.missed)["push-sigkilled"] += 1
+        writes_before = written()
+        rc, _err, new = store.push_and_record(image, "killed", parent, kill=kill)
+        if rc != -9:
+            store.tally.missed["push-sigkilled"] += 1
+        elif new:
+            store.tally.faults["push-sigkilled after its commit"] += 1
+        elif written() > writes_before:
+            store.tally.faults["push-sigkilled with chunks written, uncommitted"] += 1
+        else:
+            store.tally.faults["push-sigkilled before writing a chunk"] += 1
         store.audit(f"round {i}: push killed {how} (exit {rc})")
     store.push_and_record(image, "killed", _latest(store, "killed"), expect_ok=True)
     store.audit("the push after the kills")
