@@ -84,12 +84,19 @@ def refresh_identity(ctx: StoreContext) -> StoreIdentity | None:
     return identity
 
 
-def list_chunk_ids(ctx: StoreContext) -> set[str]:
-    """Every chunk id the store holds, by LIST (16 listings at once on a large store)."""
+def list_chunk_ids(ctx: StoreContext, stop: threading.Event | None = None) -> set[str]:
+    """Every chunk id the store holds, by LIST (16 listings at once on a large store);
+    ``stop`` ends the listings early (their result is then of no use)."""
     ways = 16 if ctx.index.count() > PARALLEL_LIST_ABOVE else 1
 
     def listed(prefix: str) -> set[str]:
-        return {cid for i in ctx.backend.list(prefix) if (cid := chunk_id_of_key(i.key))}
+        found: set[str] = set()
+        for info in ctx.backend.list(prefix):
+            if stop is not None and stop.is_set():
+                break
+            if cid := chunk_id_of_key(info.key):
+                found.add(cid)
+        return found
 
     found: set[str] = set()
     for part in ctx.pools.io.map(listed, chunk_list_prefixes(ways)):
@@ -126,6 +133,7 @@ class ChunkProof:
         self._methods: list[str] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._stop = threading.Event()
         self.stats = ProofStats()
 
     def start(self, predicted: Collection[str]) -> None:
@@ -155,13 +163,18 @@ class ChunkProof:
                 (self._present if info is not None else self._absent).add(chunk_id)
         else:
             self._methods.append("list")
-            self._present |= list_chunk_ids(self._ctx)
+            self._present |= list_chunk_ids(self._ctx, self._stop)
             self._listed = True
 
     def close(self) -> None:
-        """Wait for a proof started and not needed (the push failed, or re-listed anyway)."""
+        """Wait for the proof started by ``start`` to finish."""
         if self._thread is not None:
             self._thread.join()
+
+    def abandon(self) -> None:
+        """A proof nobody will use (the push failed, or proves again after a gc): its
+        listing stops at the next object, and nobody waits for it."""
+        self._stop.set()
 
     def missing(self, skipped: Collection[str]) -> set[str]:
         """The ids of ``skipped`` the store does not hold (each proven one way or the other)."""

@@ -175,12 +175,13 @@ def push_tree(
             # index said were there, even ones the proof saw: wait for it, then prove every
             # chunk the manifest names against a LIST taken after it.
             if sync_index_if_gc_ran(ctx, wait_for_running=True):
-                proof.close()
+                proof.abandon()
                 proof = ChunkProof(ctx)
                 unproven = {c.id for e in entries for c in e.chunks}
             missing = proof.missing(unproven)
-        finally:
-            proof.close()
+        except BaseException:
+            proof.abandon()  # a failed push does not wait for a listing
+            raise
         reuploaded = _upload_missing(
             ctx, checkpoint_id, files, entries, missing, kinds=kinds, stats=stats, compress=squeeze
         )
