@@ -37,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -116,12 +116,16 @@ def _typed(value: Any, kind: Any) -> Any:
     return value
 
 
-def summarize(check: StoreCheck, listed: list[ManifestSummary]) -> CheckSummary:
+def summarize(
+    check: StoreCheck, listed: list[ManifestSummary], unreadable: Collection[str] = ()
+) -> CheckSummary:
     """``check`` with each damaged checkpoint's workload, and whether it is its workload's
-    latest, from ``listed`` (the store's checkpoints newest first, listed after the check).
+    latest, from ``listed`` (the store's checkpoints newest first, listed after the check)
+    and ``unreadable`` (the ids of the manifests that listing could not read).
 
-    A damaged checkpoint no longer listed was removed while the check ran (retention, whose
-    gc then swept its chunks): it is no damage, and its chunks are not counted missing.
+    A checkpoint in neither was removed while the check ran (retention, whose gc then swept
+    its chunks): it is no damage, its chunks are not counted missing, and its manifest
+    vanishing under the check is no bad manifest.
     """
     workload_of: dict[str, str] = {}
     latest: dict[str, str] = {}
@@ -148,7 +152,11 @@ def summarize(check: StoreCheck, listed: list[ManifestSummary]) -> CheckSummary:
         chunks_checked=check.chunks_checked,
         chunks_missing=len(missing),
         damaged=tuple(damaged),
-        manifests_bad=tuple(check.manifests_bad),
+        manifests_bad=tuple(
+            bad
+            for bad in check.manifests_bad
+            if bad.partition(":")[0] in workload_of or bad.partition(":")[0] in unreadable
+        ),
     )
 
 
@@ -260,7 +268,12 @@ class StoreChecker:
         store = self._store.get()
         check = store.check(None)
         # Only damage needs the workloads and which checkpoint is each one's latest.
-        summary = summarize(check, store.list() if check.missing else [])
+        listed: list[ManifestSummary] = []
+        unreadable: list[str] = []
+        if check.missing or check.manifests_bad:
+            listed, skipped = store.list_checked()
+            unreadable = [key.rpartition("/")[2] for key, _err in skipped]
+        summary = summarize(check, listed, unreadable)
         self._record(summary)
         return summary
 

@@ -239,7 +239,7 @@ def test_a_checkpoint_with_a_deadline_is_not_made_full_and_says_why(
     assert checker.full_reason("svc") == reason  # still due: the next checkpoint is full
 
 
-def test_a_damaged_checkpoint_removed_while_the_check_ran_is_no_damage() -> None:
+def test_a_checkpoint_removed_while_the_check_ran_is_no_damage_and_no_bad_manifest() -> None:
     check = StoreCheck(
         checked_at=1.0,
         seconds=0.5,
@@ -247,13 +247,14 @@ def test_a_damaged_checkpoint_removed_while_the_check_ran_is_no_damage() -> None
         missing={"gone": ["c1", "c2"], "kept": ["c2"]},
         chunks_checked=9,
         chunks_missing=2,
-        manifests_bad=[],
+        manifests_bad=["vanished: not found", "altered: signature does not verify"],
         not_found=[],
     )
     listed = [ManifestSummary("kept", "svc", 5.0, None, 1, 1)]
-    summary = summarize(check, listed)
+    summary = summarize(check, listed, ["altered"])
     assert [d.checkpoint_id for d in summary.damaged] == ["kept"]
     assert summary.chunks_missing == 1 and summary.damaged[0].latest
+    assert summary.manifests_bad == ("altered: signature does not verify",)
 
 
 def test_the_schedule_runs_at_nice_19_and_retries_a_store_it_cannot_reach(
@@ -323,3 +324,19 @@ def test_check_interval_in_the_config(tmp_path: Path) -> None:
         message = str(info.value)
         assert "[store]" in message and "'check_interval'" in message, message
         assert "\n" not in message
+
+
+def test_a_manifest_this_node_cannot_authenticate_is_reported_as_not_read(
+    scene: Scene, handle: StoreHandle, tmp_path: Path
+) -> None:
+    stranger = tmp_path / "stranger.key"
+    generate_signing_key(stranger)
+    tree = tmp_path / "stranger-tree"
+    tree.mkdir()
+    (tree / "pages-1.img").write_bytes(b"\x01" * 1000)
+    with open_store(scene.url, key_file=stranger, cache_dir=tmp_path / "stranger") as store:
+        foreign = store.push(tree, workload="svc").checkpoint_id
+    found = scene.checker(handle).check_now()
+    (bad,) = found.manifests_bad
+    assert bad.startswith(f"{foreign}: ") and found.damaged == ()
+    assert found.checkpoints_checked == 3  # the three it could read
