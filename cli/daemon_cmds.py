@@ -374,4 +374,42 @@ def _status_text(status: dict[str, Any]) -> str:
     ]
     if rows:
         lines.append(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
+    lines += _store_check_lines(status.get("store_check"))
     return "\n".join(lines)
+
+
+def _store_check_lines(check: Any) -> list[str]:
+    """The background store check: when, what it covered, each damaged checkpoint."""
+    if not isinstance(check, dict):
+        return []
+    interval = check.get("interval_seconds") or 0
+    head = f"store check: every {_age(interval)}" if interval else "store check: off"
+    at = check.get("last_check_at")
+    if at is None:
+        lines = [f"{head}; none yet"]
+    else:
+        lines = [
+            f"{head}; last {when(at)} ({check.get('last_check_seconds') or 0:.1f}s): "
+            f"{check.get('chunks_checked', 0)} chunk(s) of {check.get('checkpoints_checked', 0)}"
+            f" checkpoint(s), {check.get('chunks_missing', 0)} missing"
+        ]
+    if check.get("error"):
+        lines.append(f"store check failed {when(check.get('error_at'))}: {check['error']}")
+    lines += [f"store check: manifest not read: {m}" for m in check.get("manifests_bad") or []]
+    damaged = [d for d in check.get("damaged") or [] if isinstance(d, dict)]
+    if damaged:
+        rows = [
+            [
+                str(d.get("checkpoint_id")),
+                str(d.get("workload")),
+                str(d.get("missing_chunks")),
+                "yes" if d.get("latest") else "no",
+            ]
+            for d in damaged
+        ]
+        lines.append(
+            render_table(["DAMAGED CHECKPOINT", "WORKLOAD", "MISSING CHUNKS", "LATEST"], rows)
+        )
+    full = check.get("full_next") or {}
+    lines += [f"next checkpoint of {w} is a full one: {why}" for w, why in sorted(full.items())]
+    return lines

@@ -6,7 +6,8 @@ pause ends here) -> stamp -> push to the store (manifest last) -> clean staging.
 The store is asked for the workload's latest checkpoint (the parent) *before* the dump, so an
 unreachable store fails the job while the workload is still untouched. If the upload of a
 kill-mode dump fails, the workload is restored on this node from the local images — its GPU
-state too — so a failed checkpoint never loses it (``rescue.py``).
+state too — so a failed checkpoint never loses it (``rescue.py``). A workload whose latest
+checkpoint the store check found damaged gets a full push (``storecheck.py``).
 
 The body sees the node (``node.Node``) and its job (``JobContext``), never the service.
 """
@@ -31,6 +32,7 @@ from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.rescue import Rescue
 from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
+from gpusnap.daemon.storecheck import StoreChecker
 from gpusnap.errors import GpusnapError, with_message
 from gpusnap.storage.streams import UploadedStreams
 
@@ -46,6 +48,8 @@ class CheckpointPlan:
     config: WorkloadConfig | None
     leave_running: bool
     compress: bool | None = None
+    # The store check: whether this workload's latest checkpoint is damaged (a full push).
+    store_check: StoreChecker | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     # Ask the store first: an unreachable store fails here, before the workload is touched.
     latest = store.latest(plan.workload)
     parent = latest.checkpoint_id if latest is not None else None
+    full = _full_push(plan, ctx)
 
     look = _look(plan)
     pids = look.pids
@@ -155,6 +160,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                 compress=plan.compress,
                 extra={"job": ctx.job_id, "pause_seconds": round(pause, 6)},
                 uploaded_streams=uploaded,
+                full=full is not None,
             )
         except GpusnapError as err:
             if not plan.leave_running:
@@ -180,16 +186,35 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
             "chunks_total": pushed.chunks_total,
             "chunks_uploaded": pushed.chunks_uploaded,
             "leave_running": plan.leave_running,
+            "full": full is not None,
         }
+        if full is not None:
+            result["full_reason"] = full
         if ctx.deadline is not None:
             result["committed_before_deadline"] = committed <= ctx.deadline
         ctx.result(**result)
+        if full is not None and plan.store_check is not None:
+            plan.store_check.full_committed(plan.workload, pushed.checkpoint_id)
         METRICS.set_last_checkpoint(plan.workload, committed)
         remove_logs(dump_log)
     finally:
         if pages is not None:
             pages.abort()  # a no-op once finished; else it must stop reading staging
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _full_push(plan: CheckpointPlan, ctx: JobContext) -> str | None:
+    """Why this checkpoint uploads every chunk (its workload's latest checkpoint is damaged),
+    or None. Not with a deadline: a reclaim that uploads everything may miss it, and what it
+    pushes is whole anyway (the push proves what it skips); the next checkpoint is full."""
+    reason = plan.store_check.full_reason(plan.workload) if plan.store_check else None
+    if reason is not None and ctx.deadline is not None:
+        log.warning("checkpoint %s has a deadline: not a full one, though %s", ctx.job_id, reason)
+        ctx.result(full_deferred=reason)
+        return None
+    if reason is not None:
+        log.info("checkpoint %s uploads every chunk: %s", ctx.job_id, reason)
+    return reason
 
 
 def _look(plan: CheckpointPlan) -> _Look:

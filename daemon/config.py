@@ -10,6 +10,7 @@ reclaim: ``gpusnap.daemon.reclaim.config`` parses them into its typed, frozen ta
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -36,6 +37,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/gpusnap/gpusnapd.toml")
 DEFAULT_SOCKET = "/run/gpusnap/gpusnapd.sock"
 DEFAULT_STATE_DIR = "/var/lib/gpusnap"
 DEFAULT_STORE_URL = "file:///var/lib/gpusnap/store"
+DEFAULT_CHECK_INTERVAL = 6 * 3600.0  # [store] check_interval: seconds between store checks
 
 _T = TypeVar("_T")
 
@@ -84,6 +86,9 @@ class StoreSection:
     # Public keys (files, or directories of *.pub) whose signatures this node accepts besides
     # its own key's: other nodes', and retired keys whose checkpoints must still restore.
     trusted_keys: tuple[Path, ...] = ()
+    # Seconds between background checks that every chunk the store's checkpoints name is
+    # there (daemon/storecheck.py); 0: off.
+    check_interval: float = DEFAULT_CHECK_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -287,9 +292,19 @@ def _parse_store(t: Table) -> StoreSection:
         verify=_or(t.boolean("verify"), True),
         options=options,
         trusted_keys=tuple(Path(p) for p in t.string_list("trusted_keys") or ()),
+        check_interval=_check_interval(t),
     )
     t.done()
     return section
+
+
+def _check_interval(t: Table) -> float:
+    seconds = t.number("check_interval", minimum=0.0)
+    if seconds is None:
+        return DEFAULT_CHECK_INTERVAL
+    if not math.isfinite(seconds):  # TOML has inf and nan; neither is a schedule
+        raise t.bad("check_interval", "must be a number of seconds (0: off)")
+    return seconds
 
 
 def _check_store_keys(store: StoreSection) -> None:

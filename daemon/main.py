@@ -4,7 +4,8 @@ Start order: config (an error is one line and exit 2; key files must load) -> th
 dir's lock (another daemon holds it: one line, exit 1, nothing touched) -> CRIU check (missing
 or too old: one actionable line, exit 1) -> journal recovery, staging cleanup, store
 (unreachable: a warning; jobs fail with Unavailable until it is back) -> reclaim (watchers,
-policy, standby: ``daemon/reclaim/``) -> the gRPC socket -> ``READY=1`` and the watchdog.
+policy, standby: ``daemon/reclaim/``) -> the store check's schedule (``daemon/storecheck.py``)
+-> the gRPC socket -> ``READY=1`` and the watchdog.
 SIGTERM/SIGINT: ``STOPPING=1``, the shutdown hooks (a reclaim checkpoint may run there),
 running jobs get time to finish while systemd is asked for more (``EXTEND_TIMEOUT_USEC``),
 then exit 0.
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         _start_reclaim(service, config)
+        service.store_check.start()
         tcp = config.daemon.tcp
         server = start_server(
             service,

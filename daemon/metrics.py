@@ -12,6 +12,11 @@ Exposed series:
   actually sent to the store, and the logical size of what the jobs covered
 - ``gpusnap_last_checkpoint_timestamp_seconds{workload}`` and
   ``gpusnap_last_checkpoint_age_seconds{workload}`` gauges: the last good checkpoint
+- the background store check (``daemon/storecheck.py``), once one has run:
+  ``gpusnap_store_missing_chunks`` and ``gpusnap_store_damaged_checkpoints`` gauges (what the
+  last check found), ``gpusnap_store_last_check_timestamp_seconds`` and
+  ``gpusnap_store_last_check_duration_seconds`` gauges; ``gpusnap_store_check_failures_total``
+  counter (checks that could not run: the store unreachable)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -70,6 +76,34 @@ class _Histogram:
         self.sum += value
 
 
+# The store check's gauges, in StoreCheckFigures' order (name, help).
+_STORE_CHECK_GAUGES = (
+    (
+        "gpusnap_store_missing_chunks",
+        "Chunks named by the store's checkpoints that the last store check did not find.",
+    ),
+    (
+        "gpusnap_store_damaged_checkpoints",
+        "Checkpoints naming a chunk the last store check did not find.",
+    ),
+    (
+        "gpusnap_store_last_check_timestamp_seconds",
+        "When the last store check that ran started (unix epoch).",
+    ),
+    ("gpusnap_store_last_check_duration_seconds", "How long the last store check took."),
+)
+
+
+@dataclass(frozen=True)
+class StoreCheckFigures:
+    """What the metrics say of the last store check."""
+
+    checked_at: float  # when it started (epoch seconds)
+    seconds: float
+    chunks_missing: int
+    damaged: int  # checkpoints naming a missing chunk
+
+
 class MetricsRegistry:
     """Everything gpusnapd exports; every method is safe to call from any thread."""
 
@@ -81,6 +115,8 @@ class MetricsRegistry:
         self._bytes_uploaded: dict[Labels, int] = {}
         self._bytes_total: dict[Labels, int] = {}
         self._last_checkpoint: dict[str, float] = {}
+        self._store_check: StoreCheckFigures | None = None
+        self._store_check_failures = 0
 
     def observe_job(
         self,
@@ -105,6 +141,16 @@ class MetricsRegistry:
         """The commit time of ``workload``'s newest good checkpoint (never moves backwards)."""
         with self._lock:
             self._last_checkpoint[workload] = max(epoch, self._last_checkpoint.get(workload, epoch))
+
+    def set_store_check(self, figures: StoreCheckFigures) -> None:
+        """What the last store check found (replaces the one before)."""
+        with self._lock:
+            self._store_check = figures
+
+    def store_check_failed(self) -> None:
+        """A store check could not run (the store unreachable, say)."""
+        with self._lock:
+            self._store_check_failures += 1
 
     def render(self) -> str:
         """The whole registry in the Prometheus text format."""
@@ -150,7 +196,29 @@ class MetricsRegistry:
                 "Seconds since each workload's newest good checkpoint.",
                 ((w, max(0.0, now - t)) for w, t in self._last_checkpoint.items()),
             )
+            self._store_check_series(out)
             return "\n".join(out) + "\n"
+
+    def _store_check_series(self, out: list[str]) -> None:
+        # The gauges only once a check has run: an absent series is "not known", a 0 is "none
+        # missing", and alerts must be able to tell the two apart.
+        check = self._store_check
+        values = (
+            (None,) * len(_STORE_CHECK_GAUGES)
+            if check is None
+            else (check.chunks_missing, check.damaged, check.checked_at, check.seconds)
+        )
+        for (name, help_text), value in zip(_STORE_CHECK_GAUGES, values, strict=True):
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} gauge")
+            if value is not None:
+                out.append(f"{name} {_number(value)}")
+        self._counter(
+            out,
+            "gpusnap_store_check_failures_total",
+            "Store checks that could not run (the store unreachable).",
+            {(): self._store_check_failures},
+        )
 
     @staticmethod
     def _counter(out: list[str], name: str, help_text: str, values: dict[Labels, int]) -> None:

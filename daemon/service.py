@@ -39,6 +39,7 @@ from gpusnap.daemon.node import HostFacts, Node, StoreHandle
 from gpusnap.daemon.reclaim.runtime import ReclaimRuntime
 from gpusnap.daemon.restore import RestorePlan, run_restore
 from gpusnap.daemon.statedir import StateDirLock, StateDirs
+from gpusnap.daemon.storecheck import STATE_FILE, StoreChecker
 from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import GpusnapError, InvalidArgument, NotFound, Unsupported
 from gpusnap.storage.manifest import check_checkpoint_id, check_workload
@@ -95,6 +96,13 @@ class DaemonService:
             host=HostFacts(criu, config.daemon.node_id),
             reaper=reaper,
         )
+        # The background store check; its schedule is started by daemon/main.py.
+        self.store_check = StoreChecker(
+            self.store,
+            interval=config.store.check_interval,
+            state_file=dirs.state / STATE_FILE,
+            store_url=config.store.url,
+        )
         self.on_shutdown: list[Callable[[], None]] = []
         self.reclaim: ReclaimRuntime | None = None
         if open_store_now:
@@ -141,6 +149,7 @@ class DaemonService:
             config=wcfg,
             leave_running=leave_running,
             compress=self.config.store.compress if compress is None else compress,
+            store_check=self.store_check,
         )
         node = self.node
         return self.executor.submit(
@@ -241,6 +250,7 @@ class DaemonService:
             jobs_running=self.executor.running(),
             interrupted_at_start=[j.id for j in self.interrupted],
             triggers=self.reclaim is not None,
+            store_check=self.store_check.status(),
         )
         return status_report.daemon_status(self.node, daemon)
 
@@ -276,6 +286,7 @@ class DaemonService:
                 self.reclaim.stop()
             except Exception:
                 log.exception("stopping the trigger manager failed")
+        self.store_check.stop()
         if not self.executor.shutdown(timeout=timeout):
             log.warning("jobs still running at shutdown; they will show as interrupted")
         self.node.reaper.stop()

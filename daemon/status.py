@@ -29,6 +29,7 @@ class DaemonFacts:
     jobs_running: int
     interrupted_at_start: list[str]
     triggers: bool  # a trigger manager is attached
+    store_check: dict[str, Any] | None = None  # daemon/storecheck.py:StoreChecker.status
 
 
 def last_checkpoints(node: Node) -> tuple[dict[str, dict[str, Any]], str | None]:
@@ -141,6 +142,7 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
         "workloads": [{"name": name, **info} for name, info in last.items()],
         "interrupted_at_start": daemon.interrupted_at_start,
         "triggers": daemon.triggers,
+        "store_check": daemon.store_check,
     }
 
 

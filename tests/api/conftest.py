@@ -255,6 +255,27 @@ class FakeService:
             ],
             "interrupted_at_start": ["job-0"],
             "triggers": False,
+            "store_check": {
+                "interval_seconds": 21600.0,
+                "last_check_at": T0,
+                "last_check_seconds": 0.25,
+                "next_check_at": T0 + 21600,
+                "checkpoints_checked": 2,
+                "chunks_checked": 40,
+                "chunks_missing": 1,
+                "damaged": [
+                    {
+                        "checkpoint_id": "ckpt-1",
+                        "workload": "llm",
+                        "missing_chunks": 1,
+                        "latest": True,
+                    }
+                ],
+                "manifests_bad": [],
+                "error": None,
+                "error_at": None,
+                "full_next": {"llm": "its latest checkpoint ckpt-1 names 1 chunk(s) ..."},
+            },
         }
 
     def triggers_status(self) -> dict[str, Any]:

@@ -798,6 +798,7 @@ class DaemonStatus(_message.Message):
     WORKLOADS_FIELD_NUMBER: _builtins.int
     INTERRUPTED_AT_START_FIELD_NUMBER: _builtins.int
     TRIGGERS_FIELD_NUMBER: _builtins.int
+    STORE_CHECK_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpusnap's version"""
     node_id: _builtins.str
@@ -832,6 +833,10 @@ class DaemonStatus(_message.Message):
     def interrupted_at_start(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """jobs found interrupted when the daemon started"""
 
+    @_builtins.property
+    def store_check(self) -> Global___StoreCheckStatus:
+        """The background store check ([store] check_interval): what the last one found."""
+
     def __init__(
         self,
         *,
@@ -850,16 +855,151 @@ class DaemonStatus(_message.Message):
         workloads: _abc.Iterable[Global___WorkloadStatus] | None = ...,
         interrupted_at_start: _abc.Iterable[_builtins.str] | None = ...,
         triggers: _builtins.bool = ...,
+        store_check: Global___StoreCheckStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store", "store_check", b"store_check"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "store_check", b"store_check", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_id: _TypeAlias = _typing.Literal["node_id"]  # noqa: Y015
     _WhichOneofArgType__node_id: _TypeAlias = _typing.Literal["_node_id", b"_node_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__node_id) -> _WhichOneofReturnType__node_id | None: ...
 
 Global___DaemonStatus: _TypeAlias = DaemonStatus  # noqa: Y015
+
+@_typing.final
+class StoreCheckStatus(_message.Message):
+    """What the daemon's background check that every chunk the store's checkpoints name is in the
+    store found (daemon/storecheck.py; docs/operations.md, "The background store check").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class FullNextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    LAST_CHECK_AT_FIELD_NUMBER: _builtins.int
+    LAST_CHECK_SECONDS_FIELD_NUMBER: _builtins.int
+    NEXT_CHECK_AT_FIELD_NUMBER: _builtins.int
+    CHECKPOINTS_CHECKED_FIELD_NUMBER: _builtins.int
+    CHUNKS_CHECKED_FIELD_NUMBER: _builtins.int
+    CHUNKS_MISSING_FIELD_NUMBER: _builtins.int
+    DAMAGED_FIELD_NUMBER: _builtins.int
+    MANIFESTS_BAD_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    ERROR_AT_FIELD_NUMBER: _builtins.int
+    FULL_NEXT_FIELD_NUMBER: _builtins.int
+    interval_seconds: _builtins.float
+    """[store] check_interval; 0: off"""
+    last_check_seconds: _builtins.float
+    """how long it took"""
+    checkpoints_checked: _builtins.int
+    """of the last check"""
+    chunks_checked: _builtins.int
+    chunks_missing: _builtins.int
+    """distinct chunks that checkpoints name and the store lacks"""
+    error: _builtins.str
+    """The last attempt failed (the store unreachable): why, and when. The figures above are
+    then the last good check's.
+    """
+    @_builtins.property
+    def last_check_at(self) -> _timestamp_pb2.Timestamp:
+        """when the last check began; unset: none yet"""
+
+    @_builtins.property
+    def next_check_at(self) -> _timestamp_pb2.Timestamp:
+        """unset: no schedule runs"""
+
+    @_builtins.property
+    def damaged(self) -> _containers.RepeatedCompositeFieldContainer[Global___DamagedCheckpoint]: ...
+    @_builtins.property
+    def manifests_bad(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"ID: why", manifests the check could not read"""
+
+    @_builtins.property
+    def error_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def full_next(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """workload -> why its next checkpoint is a full one"""
+
+    def __init__(
+        self,
+        *,
+        interval_seconds: _builtins.float = ...,
+        last_check_at: _timestamp_pb2.Timestamp | None = ...,
+        last_check_seconds: _builtins.float | None = ...,
+        next_check_at: _timestamp_pb2.Timestamp | None = ...,
+        checkpoints_checked: _builtins.int = ...,
+        chunks_checked: _builtins.int = ...,
+        chunks_missing: _builtins.int = ...,
+        damaged: _abc.Iterable[Global___DamagedCheckpoint] | None = ...,
+        manifests_bad: _abc.Iterable[_builtins.str] | None = ...,
+        error: _builtins.str | None = ...,
+        error_at: _timestamp_pb2.Timestamp | None = ...,
+        full_next: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_last_check_seconds", b"_last_check_seconds", "error", b"error", "error_at", b"error_at", "last_check_at", b"last_check_at", "last_check_seconds", b"last_check_seconds", "next_check_at", b"next_check_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_last_check_seconds", b"_last_check_seconds", "checkpoints_checked", b"checkpoints_checked", "chunks_checked", b"chunks_checked", "chunks_missing", b"chunks_missing", "damaged", b"damaged", "error", b"error", "error_at", b"error_at", "full_next", b"full_next", "interval_seconds", b"interval_seconds", "last_check_at", b"last_check_at", "last_check_seconds", b"last_check_seconds", "manifests_bad", b"manifests_bad", "next_check_at", b"next_check_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    _WhichOneofReturnType__last_check_seconds: _TypeAlias = _typing.Literal["last_check_seconds"]  # noqa: Y015
+    _WhichOneofArgType__last_check_seconds: _TypeAlias = _typing.Literal["_last_check_seconds", b"_last_check_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_check_seconds) -> _WhichOneofReturnType__last_check_seconds | None: ...
+
+Global___StoreCheckStatus: _TypeAlias = StoreCheckStatus  # noqa: Y015
+
+@_typing.final
+class DamagedCheckpoint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    MISSING_CHUNKS_FIELD_NUMBER: _builtins.int
+    LATEST_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    workload: _builtins.str
+    missing_chunks: _builtins.int
+    """chunks it names that the store lacks"""
+    latest: _builtins.bool
+    """its workload's newest checkpoint"""
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        workload: _builtins.str = ...,
+        missing_chunks: _builtins.int = ...,
+        latest: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "latest", b"latest", "missing_chunks", b"missing_chunks", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DamagedCheckpoint: _TypeAlias = DamagedCheckpoint  # noqa: Y015
 
 @_typing.final
 class StoreStatus(_message.Message):
