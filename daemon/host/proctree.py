@@ -57,6 +57,23 @@ def pid_in_use(pid: int) -> bool:
     return (PROC / str(pid)).exists()
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot): with the pid, a process's identity (a
+    pid is reused, a pid and its start time are not, within one boot); None when gone."""
+    try:
+        return int(_stat_fields(pid)[19])
+    except (NotFound, FailedPrecondition, IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str:
+    """This boot's id: start times compare only within one boot."""
+    try:
+        return (PROC / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def is_kernel_thread(pid: int) -> bool:
     """True for a kernel thread (kthreadd and its children): nothing there to checkpoint."""
     try:
