@@ -29,6 +29,7 @@ from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
+from gpusnap.daemon.recovery import record_dump
 from gpusnap.daemon.rescue import Rescue
 from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.errors import GpusnapError, with_message
@@ -89,6 +90,16 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         ctx.phase(Phase.DUMP)
         # Accepted -> CRIU starts: queueing, the store's latest, the look at the tree, stamps.
         prepare = time.time() - job_started
+        # What the next daemon needs to tell, should this one die, how far the dump got.
+        record_dump(
+            staging,
+            workload=plan.workload,
+            leave_running=plan.leave_running,
+            pids=pids,
+            cuda_pids=list(freeze.cuda_pids),
+            gpu={**gpu_stamp, **freeze.to_stamp()},
+            gpu_memory_in_store=gpu_memory.uploaded is not None,
+        )
         # A first checkpoint uploads everything: overlap that with the dump (a later one
         # follows its parent's chunks, which makes its upload cheap after the dump).
         if parent is None and node.config.daemon.upload_during_dump:
@@ -165,6 +176,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                     freeze=freeze,
                     gpu_stamp=stamp["gpu"],
                     gpu_memory_in_store=gpu_memory.uploaded is not None,
+                    workload=plan.workload,
                 ).run()
                 raise with_message(err, f"{err}; {rescued}") from err
             raise

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gpusnap.daemon import recovery
 from gpusnap.daemon import status as status_report
 from gpusnap.daemon.checkpoint import CheckpointPlan, run_checkpoint
 from gpusnap.daemon.config import Config, WorkloadConfig
@@ -78,11 +79,6 @@ class DaemonService:
             lock_timeout_s=config.gpu.lock_timeout_s,
         )
         self.journal = Journal(dirs.state / "jobs.sqlite")
-        self.interrupted = self.journal.recover()
-        dirs.clean_staging()
-        self.executor = JobExecutor(
-            self.journal, max_jobs=config.daemon.max_jobs, on_finish=_job_finished
-        )
         self.store = StoreHandle(config)
         reaper = Reaper()
         reaper.start()
@@ -94,6 +90,12 @@ class DaemonService:
             dirs=dirs,
             host=HostFacts(criu, config.daemon.node_id),
             reaper=reaper,
+        )
+        # A dead daemon's jobs: interrupted, and what they left in staging settled (a
+        # kill-mode dump's images restored) before any new job runs (daemon/recovery.py).
+        self.interrupted = recovery.recover(self.node, self.journal)
+        self.executor = JobExecutor(
+            self.journal, max_jobs=config.daemon.max_jobs, on_finish=_job_finished
         )
         self.on_shutdown: list[Callable[[], None]] = []
         self.reclaim: ReclaimRuntime | None = None

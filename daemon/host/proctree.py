@@ -66,6 +66,14 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def ppid(pid: int) -> int | None:
+    """The parent of ``pid``; None when gone."""
+    try:
+        return int(_stat_fields(pid)[1])
+    except (NotFound, FailedPrecondition, IndexError, ValueError):
+        return None
+
+
 def boot_id() -> str:
     """This boot's id: start times compare only within one boot."""
     try:
