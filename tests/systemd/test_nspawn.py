@@ -323,6 +323,35 @@ def test_a_units_workload_is_restored_into_a_scope_that_outlives_daemon_restarts
         )
 
 
+def test_a_restored_units_workload_is_found_in_its_scope_which_says_what_it_holds(
+    service: Container,
+) -> None:
+    unit = "gpusnap-test-counter.service"
+    pid = start_workload(service, unit, COUNTER)
+    scopes: list[str] = []
+    try:
+        service.wait_for("the counter counting", f"[ $(cat {COUNTER_FILE}) -ge 3 ]")
+        for _ in range(2):  # a restore, a checkpoint of it by --workload, its restore
+            ckpt = gpusnap(service, "checkpoint", "--workload", "counter", "--wait")
+            gpusnap(service, "restore", ckpt["checkpoint_id"], "--wait")
+            cgroup = service.run("cat", f"/proc/{pid}/cgroup").stdout
+            scope = next(x for x in cgroup.splitlines() if x.startswith("0::")).rsplit("/")[-1]
+            scopes.append(scope)
+            description = service.show(scope, "Description")["Description"]
+            assert description == f"gpusnap: counter restored from {ckpt['checkpoint_id']}"
+            listed = {w["name"]: w for w in gpusnap(service, "workloads")["workloads"]}
+            assert (listed["counter"]["running"], listed["counter"]["pid"]) == (True, pid)
+        assert len(set(scopes)) == 2
+    finally:
+        service.sh(
+            f"""
+            systemctl stop {" ".join(scopes)} 2>/dev/null || true
+            systemctl stop {unit} 2>/dev/null || true
+            systemctl reset-failed {unit} 2>/dev/null || true
+            """
+        )
+
+
 def test_a_unit_that_logs_to_the_journal_is_checkpointed_and_restored(service: Container) -> None:
     unit = "gpusnap-test-counter.service"
     pid = start_workload(
