@@ -287,6 +287,10 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
         reply = self._unary(self._daemon.ListMigrations, pb.ListMigrationsRequest())
         return [wire.from_struct(m) for m in reply.migrations]
 
+    def withdraw_migration(self, checkpoint_id: str, reason: str = "") -> dict[str, Any]:
+        request = pb.WithdrawMigrationRequest(checkpoint_id=checkpoint_id, reason=reason)
+        return wire.from_struct(self._unary(self._daemon.WithdrawMigration, request).migration)
+
     def drill(self, deadline_s: float | None = None) -> dict[str, Any]:
         request = pb.DrillRequest()
         if deadline_s is not None:

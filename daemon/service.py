@@ -95,7 +95,7 @@ class DaemonService:
         # kill-mode dump's images restored) before any new job runs (daemon/recovery.py).
         self.interrupted = recovery.recover(self.node, self.journal)
         self.executor = JobExecutor(
-            self.journal, max_jobs=config.daemon.max_jobs, on_finish=_job_finished
+            self.journal, max_jobs=config.daemon.max_jobs, on_finish=self._job_finished
         )
         self.on_shutdown: list[Callable[[], None]] = []
         self.reclaim: ReclaimRuntime | None = None
@@ -258,6 +258,17 @@ class DaemonService:
 
     def migrations(self) -> list[dict[str, Any]]:
         return [] if self.reclaim is None else self.reclaim.migrations()
+
+    def withdraw_migration(self, checkpoint_id: str, reason: str = "") -> dict[str, Any]:
+        check_checkpoint_id(checkpoint_id)
+        if self.reclaim is None:
+            raise Unsupported("withdrawing a migration needs the reclaim runtime, not running")
+        return self.reclaim.withdraw(checkpoint_id, reason)
+
+    def _job_finished(self, job: Job) -> None:
+        _job_finished(job)
+        if self.reclaim is not None:
+            self.reclaim.on_job_finished(job)  # a migration it makes stale is superseded
 
     def drill(self, deadline_s: float | None) -> Job:
         if self.reclaim is None:

@@ -171,6 +171,13 @@ class DaemonServicer(_Servicer, pb_grpc.DaemonServicer):
         migrations = self._service.migrations()
         return pb.ListMigrationsResponse(migrations=[wire.to_struct(m) for m in migrations])
 
+    @_unary("withdraw migration")
+    def WithdrawMigration(
+        self, request: pb.WithdrawMigrationRequest
+    ) -> pb.WithdrawMigrationResponse:
+        migration = self._service.withdraw_migration(request.checkpoint_id, request.reason)
+        return pb.WithdrawMigrationResponse(migration=wire.to_struct(migration))
+
     @_unary("drill")
     def Drill(self, request: pb.DrillRequest) -> pb.Job:
         deadline = request.deadline_seconds if request.HasField("deadline_seconds") else None

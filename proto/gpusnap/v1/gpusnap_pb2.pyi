@@ -1005,6 +1005,51 @@ class ListMigrationsResponse(_message.Message):
 Global___ListMigrationsResponse: _TypeAlias = ListMigrationsResponse  # noqa: Y015
 
 @_typing.final
+class WithdrawMigrationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    reason: _builtins.str
+    """said in the request's outcome; empty: "withdrawn by <node>" """
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WithdrawMigrationRequest: _TypeAlias = WithdrawMigrationRequest  # noqa: Y015
+
+@_typing.final
+class WithdrawMigrationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIGRATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def migration(self) -> _struct_pb2.Struct:
+        """The migration as `ListMigrationsResponse` shows one, now withdrawn."""
+
+    def __init__(
+        self,
+        *,
+        migration: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["migration", b"migration"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["migration", b"migration"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WithdrawMigrationResponse: _TypeAlias = WithdrawMigrationResponse  # noqa: Y015
+
+@_typing.final
 class DrillRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
