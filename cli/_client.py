@@ -267,7 +267,10 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
 
     def show_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
         request = pb.ShowCheckpointRequest(checkpoint_id=checkpoint_id)
-        return wire.from_struct(self._unary(self._checkpoints.Show, request).checkpoint)
+        reply = self._unary(self._checkpoints.Show, request)
+        if reply.manifest_json:  # exact integers; an older daemon sends the Struct only
+            return wire.from_json(reply.manifest_json)
+        return wire.from_struct(reply.checkpoint)
 
     def list_workloads(self) -> list[dict[str, Any]]:
         reply = self._unary(self._workloads.List, pb.ListWorkloadsRequest())

@@ -25,7 +25,7 @@ from gpusnap.cli._output import (
     render_table,
     when,
 )
-from gpusnap.cli.store_cmds import render_manifest
+from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
 from gpusnap.errors import ERROR_TABLE, EXIT_OK, Unavailable, error_from_kind, exit_code_for
 
 # The API carries a pid as an int32; whether it names a process is the daemon's to say.
@@ -75,6 +75,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
     p = add_command(subparsers, "show", cmd_show, "describe one checkpoint")
     p.add_argument("checkpoint_id", metavar="ID")
+    add_show_env(p)
     add_command(subparsers, "workloads", cmd_workloads, "list configured workloads")
     add_command(subparsers, "status", cmd_status, "the daemon's status")
 
@@ -315,7 +316,11 @@ def _ls_table(checkpoints: list[dict[str, Any]]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    return query(args, lambda c: c.show_checkpoint(args.checkpoint_id), render_manifest)
+    def shown(c: DaemonClient) -> dict[str, Any]:
+        manifest = c.show_checkpoint(args.checkpoint_id)
+        return manifest if args.show_env else redact_env(manifest)
+
+    return query(args, shown, render_manifest)
 
 
 def cmd_workloads(args: argparse.Namespace) -> int:

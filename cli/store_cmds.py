@@ -25,6 +25,7 @@ from gpusnap.cli._common import (
     store_parser,
 )
 from gpusnap.cli._output import ProgressBar, emit, human_bytes, out, print_json, render_table, when
+from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
 from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_INTEGRITY,
@@ -69,9 +70,9 @@ def register(subparsers: Subparsers) -> None:
     p = add_command(sub, "ls", cmd_ls, "list checkpoints, newest first", parents)
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
 
-    add_command(sub, "show", cmd_show, "describe one checkpoint", parents).add_argument(
-        "checkpoint_id", metavar="ID"
-    )
+    p = add_command(sub, "show", cmd_show, "describe one checkpoint", parents)
+    p.add_argument("checkpoint_id", metavar="ID")
+    add_show_env(p)
 
     p = add_command(sub, "verify", cmd_verify, "check checkpoints are complete and intact", parents)
     which = p.add_mutually_exclusive_group(required=True)
@@ -223,50 +224,8 @@ def _report_skipped(skipped: list[tuple[str, GpusnapError]]) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     with _opened(args) as store:
         manifest = store.manifest(args.checkpoint_id).to_dict()
-    return emit(args.json, manifest, lambda: render_manifest(manifest))
-
-
-def render_manifest(m: dict[str, Any]) -> str:
-    """A manifest as a person reads it: ``Manifest.to_dict()``, or the daemon's ``show`` of it
-    (whose files have no mode and no chunk list)."""
-    files: list[dict[str, Any]] = m.get("files") or []
-    totals: dict[str, Any] = m.get("totals") or {}
-    size = totals.get("bytes_total", sum(int(f["size"]) for f in files))
-    chunks = totals.get("chunks_total", sum(len(f.get("chunks") or []) for f in files))
-    stamp: dict[str, Any] = m.get("stamp") or {}
-    lines = [
-        f"checkpoint  {m['checkpoint_id']}",
-        f"workload    {m['workload']}",
-        f"created     {when(m['created_at'])}",
-        f"parent      {m.get('parent') or '-'}",
-        f"size        {human_bytes(size)} in {len(files)} files, {chunks} chunks",
-        f"schema      {m.get('schema_version', '-')}",
-    ]
-    if stamp:
-        lines.append("stamp")
-        lines.extend(f"  {k}: {stamp[k]}" for k in sorted(stamp))
-    else:
-        lines.append("stamp       (empty)")
-    if files:
-        lines.append("files")
-        rows = [
-            [
-                _mode(f.get("mode")),
-                human_bytes(int(f["size"])),
-                str(len(f.get("chunks") or [])),
-                str(f["path"]),
-            ]
-            for f in files
-        ]
-        table = render_table(["MODE", "SIZE", "CHUNKS", "PATH"], rows)
-        lines.extend("  " + line for line in table.splitlines())
-    return "\n".join(lines)
-
-
-def _mode(value: Any) -> str:
-    if isinstance(value, int):
-        return f"{value & 0o7777:04o}"
-    return "-" if value is None else str(value)
+    shown = manifest if args.show_env else redact_env(manifest)
+    return emit(args.json, shown, lambda: render_manifest(shown))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -229,8 +229,12 @@ class DaemonService:
         check_checkpoint_id(checkpoint_id)
         manifest = self.store.get().manifest(checkpoint_id)
         data = manifest.to_dict()
-        # The chunk lists are for the store; an operator wants the files and their sizes.
-        data["files"] = [{"path": f.path, "size": f.size} for f in manifest.files]
+        # The chunk lists are for the store; an operator wants each file's size, mode and
+        # how many chunks it is.
+        data["files"] = [
+            {"path": f.path, "size": f.size, "mode": f.mode, "chunk_count": len(f.chunks)}
+            for f in manifest.files
+        ]
         data["bytes_total"] = manifest.bytes_total
         return data
 

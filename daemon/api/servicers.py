@@ -97,7 +97,9 @@ class CheckpointsServicer(_Servicer, pb_grpc.CheckpointsServicer):
     @_unary("show checkpoint")
     def Show(self, request: pb.ShowCheckpointRequest) -> pb.ShowCheckpointResponse:
         manifest = self._service.show_checkpoint(request.checkpoint_id)
-        return pb.ShowCheckpointResponse(checkpoint=wire.to_struct(manifest))
+        return pb.ShowCheckpointResponse(
+            checkpoint=wire.to_struct(manifest), manifest_json=wire.to_json(manifest)
+        )
 
 
 class RestoresServicer(_Servicer, pb_grpc.RestoresServicer):

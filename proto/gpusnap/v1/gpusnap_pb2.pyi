@@ -363,18 +363,24 @@ class ShowCheckpointResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    MANIFEST_JSON_FIELD_NUMBER: _builtins.int
+    manifest_json: _builtins.str
+    """The same manifest as JSON text, every integer exact. Clients read this when it is set."""
     @_builtins.property
     def checkpoint(self) -> _struct_pb2.Struct:
-        """the manifest, stamp included"""
+        """The manifest, stamp included. A Struct carries numbers as doubles: an integer above 2^53
+        (a file's mtime_ns) loses digits here; `manifest_json` has them exactly.
+        """
 
     def __init__(
         self,
         *,
         checkpoint: _struct_pb2.Struct | None = ...,
+        manifest_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "manifest_json", b"manifest_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
