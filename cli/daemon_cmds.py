@@ -18,7 +18,6 @@ from gpusnap.cli._client import DaemonClient, connect, query
 from gpusnap.cli._common import Subparsers, add_command, stderr_is_tty
 from gpusnap.cli._output import (
     PROG,
-    ProgressBar,
     emit,
     human_bytes,
     print_json,
@@ -26,6 +25,7 @@ from gpusnap.cli._output import (
     when,
 )
 from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
+from gpusnap.cli.progress import ProgressBar
 from gpusnap.errors import ERROR_TABLE, EXIT_OK, Unavailable, error_from_kind, exit_code_for
 
 # The API carries a pid as an int32; whether it names a process is the daemon's to say.
@@ -41,6 +41,8 @@ CHECKPOINT_WAIT_KEYS = (
 )
 RESTORE_WAIT_KEYS = ("checkpoint_id", "mode", "pids", "reasons", "seconds")
 TERMINAL_STATES = ("succeeded", "failed", "cancelled", "interrupted")
+# What the progress line calls a job's phase ("pending" is a job waiting for a slot).
+_PHASE_SHOWN = {"pending": "queued"}
 # A terminal state without an error kind still exits non-zero with a fitting kind.
 _STATE_KINDS = {"failed": "internal", "cancelled": "cancelled", "interrupted": "unavailable"}
 
@@ -146,16 +148,20 @@ def _age(seconds: Any) -> str:
 
 
 def _follow(client: DaemonClient, job: dict[str, Any]) -> dict[str, Any]:
-    """Watch ``job`` to its terminal state; returns the final snapshot."""
+    """Watch ``job`` to its terminal state; returns the final snapshot. On a terminal, one
+    progress line per phase (``cli/progress.py``)."""
     bar = ProgressBar(f"{job['kind']} {job['id']}", sys.stderr) if stderr_is_tty() else None
+    if bar is not None:
+        bar.start_ticking()
     last = job
     try:
         for snapshot in client.watch_job(job["id"]):
             last = snapshot
-            if bar is not None and snapshot["bytes_total"]:
-                bar(min(snapshot["bytes_done"], snapshot["bytes_total"]), snapshot["bytes_total"])
             if snapshot["state"] in TERMINAL_STATES:
                 break
+            if bar is not None:
+                bar.phase(_PHASE_SHOWN.get(snapshot["phase"], snapshot["phase"]))
+                bar(snapshot["bytes_done"], snapshot["bytes_total"])
     finally:
         if bar is not None:
             bar.close()

@@ -24,8 +24,9 @@ from gpusnap.cli._common import (
     stderr_is_tty,
     store_parser,
 )
-from gpusnap.cli._output import ProgressBar, emit, human_bytes, out, print_json, render_table, when
+from gpusnap.cli._output import emit, human_bytes, out, print_json, render_table, when
 from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
+from gpusnap.cli.progress import ProgressBar
 from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_INTEGRITY,
@@ -129,7 +130,8 @@ def _progress(args: argparse.Namespace, label: str) -> Iterator[Progress | None]
     if args.json or not stderr_is_tty():
         yield None
         return
-    bar = ProgressBar(label, sys.stderr)
+    bar = ProgressBar("store", sys.stderr)
+    bar.phase(label)
     try:
         yield bar
     finally:
@@ -137,8 +139,9 @@ def _progress(args: argparse.Namespace, label: str) -> Iterator[Progress | None]
 
 
 def _note(args: argparse.Namespace, text: str) -> None:
-    """A human summary on stderr: on a terminal, or with -v; never with --json."""
-    if not args.json and (args.verbose or stderr_is_tty()):
+    """A human summary on stderr (stdout keeps the one result a script reads); never with
+    --json, where the summary is the JSON itself."""
+    if not args.json:
         sys.stderr.write(text + "\n")
 
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpusnap.daemon import progress
 from gpusnap.daemon.config import WorkloadConfig
 from gpusnap.daemon.gpu_memory import MemoryUploads
 from gpusnap.daemon.host import proctree
@@ -106,9 +107,10 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
             pages = PageStreamer(store, images, compress=plan.compress)
             pages.start()
         try:
-            dump = node.criu.dump(
-                look.tree[0].pid, images, leave_running=plan.leave_running, log_path=dump_log
-            )
+            with progress.dumping(ctx, images, pids):
+                dump = node.criu.dump(
+                    look.tree[0].pid, images, leave_running=plan.leave_running, log_path=dump_log
+                )
         except GpusnapError:
             if pages is not None:
                 pages.abort()
@@ -154,7 +156,17 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         }
 
         ctx.phase(Phase.UPLOAD)
-        uploaded = _uploaded_streams(gpu_memory.uploaded, pages)
+        # The whole checkpoint (progress.py): what is already in the store counts as done.
+        gpu_bytes = gpu_memory.uploaded.bytes_total if gpu_memory.uploaded is not None else 0
+        total = dump.images_bytes + gpu_bytes
+        streamer = pages
+
+        def in_store() -> int:
+            return gpu_bytes + (streamer.bytes_streamed() if streamer is not None else 0)
+
+        with progress.uploading(ctx, total, in_store):
+            uploaded = _uploaded_streams(gpu_memory.uploaded, pages)
+        streamed = uploaded.bytes_total if uploaded is not None else 0
         try:
             pushed = store.push(
                 images,
@@ -162,7 +174,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                 parent=parent,
                 stamp=stamp,
                 spec=spec,
-                progress=ctx.progress,
+                progress=progress.push_progress(ctx, total, streamed),
                 compress=plan.compress,
                 extra={"job": ctx.job_id, "pause_seconds": round(pause, 6)},
                 uploaded_streams=uploaded,

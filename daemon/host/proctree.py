@@ -7,6 +7,7 @@ to record.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -72,6 +73,20 @@ def ppid(pid: int) -> int | None:
         return int(_stat_fields(pid)[1])
     except (NotFound, FailedPrecondition, IndexError, ValueError):
         return None
+
+
+def memory_to_dump(pid: int) -> int:
+    """Bytes of ``pid``'s memory a dump writes: its anonymous and shared pages (RssAnon and
+    RssShmem); file-backed pages are read back from their files. 0 when gone."""
+    try:
+        status = _status(pid)
+    except (NotFound, FailedPrecondition):
+        return 0
+    kib = 0
+    for key in ("RssAnon", "RssShmem"):
+        with contextlib.suppress(KeyError, ValueError, IndexError):
+            kib += int(status[key].split()[0])
+    return kib * 1024
 
 
 def boot_id() -> str:

@@ -287,12 +287,16 @@ def test_push_and_pull_show_a_progress_bar_on_a_terminal_only(cli: Cli, tmp_path
         [*GPUSNAP, "store", "push", str(image), "--workload", "w"], cli.environ()
     )
     assert rc == 0, terminal
-    assert "push [" in terminal
+    assert "store push" in terminal and "[" in terminal
     assert "100.0%" in terminal
-    assert "MB/s" in terminal and "ETA" in terminal
+    assert "MiB/s" in terminal and "ETA" in terminal
+    assert "MB/s" not in terminal  # one unit system: binary sizes and rates
 
     piped = cli.ok("store", "push", str(image), "--workload", "w")
     assert "\r" not in piped.err and "%" not in piped.err
+    # The summary still goes to stderr when piped (stdout is the id, for scripts).
+    assert piped.err.startswith("pushed 24.3 MiB in 14 chunks; uploaded "), piped.err
+    assert piped.out.strip() and "\n" not in piped.out.strip()
     rc, terminal = _run_on_pty(
         [*GPUSNAP, "store", "pull", piped.out.strip(), str(tmp_path / "d"), "--json"],
         cli.environ(),
