@@ -155,10 +155,12 @@ def test_gc_accepts_documented_durations(cli: Cli, grace: str) -> None:
         ["no-such-command"],
     ],
 )
-def test_usage_errors_exit_2_with_usage_and_no_traceback(cli: Cli, argv: list[str]) -> None:
+def test_usage_errors_exit_2_in_one_line_that_says_where_help_is(cli: Cli, argv: list[str]) -> None:
     result = cli(*argv)
     assert result.rc == 2, str(result)
-    assert "usage:" in result.err
+    (line,) = result.err.splitlines()
+    assert line.startswith("gpusnap: error: ") and line.endswith(" --help`)"), line
+    assert "Traceback" not in result.err and result.out == ""
 
 
 def test_unknown_checkpoint_exits_3(cli: Cli, tmp_path: Path) -> None:
