@@ -227,8 +227,14 @@ def _reason_text(reason: Any) -> str:
 def _queued_or_followed(
     args: argparse.Namespace, client: DaemonClient, job: dict[str, Any], keys: tuple[str, ...]
 ) -> int:
-    """Without ``--wait``: the queued job (its id, or the job as JSON); with it, its outcome."""
+    """Without ``--wait``: the queued job (its id on stdout, for scripts, and on stderr how to
+    follow it; or the job as JSON); with it, its outcome."""
     if not args.wait:
+        if not args.json:
+            sys.stderr.write(
+                f"{job['kind']} job {job['id']} queued: `{PROG} job {job['id']}` shows how it "
+                "goes (--wait follows it to its end)\n"
+            )
         return emit(args.json, job, lambda: str(job["id"]))
     return _finish(args, _follow(client, job), keys)
 
@@ -363,8 +369,13 @@ def _status_text(status: dict[str, Any]) -> str:
     lines = [
         f"{key}: {value}"
         for key, value in sorted(status.items())
-        if not isinstance(value, dict | list) and value is not None
+        if not isinstance(value, dict | list)
+        and value is not None
+        and key not in ("triggers", "trigger_provider")
     ]
+    provider = status.get("trigger_provider") or "none"
+    watching = f"watching {provider}" if status.get("triggers") else "none (no cloud watcher)"
+    lines.append(f"triggers: {watching}")
     store = status.get("store")
     if isinstance(store, dict):
         lines.append(f"store_url: {store.get('url')}")

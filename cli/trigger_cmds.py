@@ -38,6 +38,8 @@ def deadline_seconds(text: str) -> float:
 
 
 def render_triggers(state: dict[str, Any]) -> str:
+    """Watchers, then each workload: its pid when it runs (``-``: not running), its policy,
+    the background checkpoint job in flight (``JOB``: periodic, rebalance) and its reclaim."""
     lines = [f"provider: {state.get('provider', 'none')}  ({state.get('detail') or 'no detail'})"]
     rows = []
     for w in state.get("watchers") or []:
@@ -62,6 +64,7 @@ def render_triggers(state: dict[str, Any]) -> str:
         wrows.append(
             [
                 str(w.get("workload")),
+                str(w.get("pid") or "-"),
                 str(w.get("on_notice")),
                 str(w.get("checkpoint_interval") or "-"),
                 str(w.get("running") or "-"),
@@ -81,7 +84,7 @@ def render_triggers(state: dict[str, Any]) -> str:
         )
     if wrows:
         lines.append(
-            render_table(["WORKLOAD", "ON NOTICE", "INTERVAL", "RUNNING", "RECLAIM"], wrows)
+            render_table(["WORKLOAD", "PID", "ON NOTICE", "INTERVAL", "JOB", "RECLAIM"], wrows)
         )
     return "\n".join(lines)
 

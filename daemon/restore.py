@@ -58,7 +58,7 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
         if proctree.pid_in_use(pid):
             raise FailedPrecondition(
                 f"pid {pid} of the checkpointed tree is in use here by "
-                f"{proctree.comm(pid)!r}; CRIU restores processes with their original pids: "
+                f"{proctree.holder(pid)}; CRIU restores processes with their original pids: "
                 "stop (and reap) that process first"
             )
 

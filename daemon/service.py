@@ -246,7 +246,9 @@ class DaemonService:
             started_at=self.started_at,
             jobs_running=self.executor.running(),
             interrupted_at_start=[j.id for j in self.interrupted],
-            triggers=self.reclaim is not None,
+            # Attached is not watching: with provider "none" no notice can come.
+            triggers=self.reclaim is not None and self.reclaim.provider() != "none",
+            trigger_provider=self.reclaim.provider() if self.reclaim is not None else "none",
         )
         return status_report.daemon_status(self.node, daemon)
 
@@ -258,7 +260,14 @@ class DaemonService:
     def triggers_status(self) -> dict[str, Any]:
         if self.reclaim is None:
             return {"provider": "none", "running": False}
-        return self.reclaim.status()
+        state = self.reclaim.status()
+        for w in state.get("workloads") or []:  # whether each runs, and as which pid
+            wcfg = self.config.workload(str(w.get("workload")))
+            try:
+                w["pid"] = workload_root(wcfg) if wcfg is not None else None
+            except GpusnapError:
+                w["pid"] = None
+        return state
 
     def migrations(self) -> list[dict[str, Any]]:
         return [] if self.reclaim is None else self.reclaim.migrations()

@@ -28,7 +28,8 @@ class DaemonFacts:
     started_at: float
     jobs_running: int
     interrupted_at_start: list[str]
-    triggers: bool  # a trigger manager is attached
+    triggers: bool  # a cloud watcher runs (a notice can come)
+    trigger_provider: str = "none"  # which: "aws", "gcp", "azure" (comma-separated), "none"
 
 
 def last_checkpoints(node: Node) -> tuple[dict[str, dict[str, Any]], str | None]:
@@ -141,6 +142,7 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
         "workloads": [{"name": name, **info} for name, info in last.items()],
         "interrupted_at_start": daemon.interrupted_at_start,
         "triggers": daemon.triggers,
+        "trigger_provider": daemon.trigger_provider,
     }
 
 

@@ -364,8 +364,8 @@ def classify_failure(what: str, log_text: str, logp: Path, *, pid: int | None) -
     taken = _PID_TAKEN_RE.search(line)
     if taken:
         return FailedPrecondition(
-            f"criu {what}: pid {taken[1]} of the checkpoint is in use on this node (a running"
-            f" process or an unreaped zombie): free it and retry (log: {logp})"
+            f"criu {what}: pid {taken[1]} of the checkpoint is in use on this node by "
+            f"{proctree.holder(int(taken[1]))}: free it and retry (log: {logp})"
         )
     return Internal(f"criu {what} failed: {line} (log: {logp})")
 

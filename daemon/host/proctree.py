@@ -89,6 +89,21 @@ def memory_to_dump(pid: int) -> int:
     return kib * 1024
 
 
+def holder(pid: int) -> str:
+    """Who holds ``pid``, for a message: ``'python3'``, or, for a process that has exited but
+    whose parent has not collected it, ``a zombie (not yet reaped by its parent, pid N
+    'name')``."""
+    try:
+        state = _stat_fields(pid)[0]
+    except (NotFound, FailedPrecondition, IndexError):
+        return "a process that has just exited"
+    if state not in ("Z", "X"):
+        return repr(comm(pid))
+    parent = ppid(pid)
+    who = f", pid {parent} {comm(parent)!r}" if parent else ""
+    return f"a zombie (not yet reaped by its parent{who})"
+
+
 def boot_id() -> str:
     """This boot's id: start times compare only within one boot."""
     try:

@@ -183,7 +183,7 @@ class ReclaimRuntime:
         out.update(
             {
                 "running": True,
-                "provider": self._provider(),
+                "provider": self.provider(),
                 "node_id": self.node_id,
                 "workloads": self.engine.state(),
                 "logind": {
@@ -204,7 +204,8 @@ class ReclaimRuntime:
         )
         return out
 
-    def _provider(self) -> str:
+    def provider(self) -> str:
+        """The clouds whose notices are watched ("aws", "gcp,azure"), or "none"."""
         providers = {w.provider for w in self.manager.watchers}
         return ",".join(sorted(providers)) or "none"
 

@@ -804,6 +804,7 @@ class DaemonStatus(_message.Message):
     WORKLOADS_FIELD_NUMBER: _builtins.int
     INTERRUPTED_AT_START_FIELD_NUMBER: _builtins.int
     TRIGGERS_FIELD_NUMBER: _builtins.int
+    TRIGGER_PROVIDER_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpusnap's version"""
     node_id: _builtins.str
@@ -815,7 +816,9 @@ class DaemonStatus(_message.Message):
     staging_dir: _builtins.str
     jobs_running: _builtins.int
     triggers: _builtins.bool
-    """whether the reclaim trigger manager runs"""
+    """whether a cloud watcher runs (a reclaim notice can come)"""
+    trigger_provider: _builtins.str
+    """the clouds watched ("aws", "gcp,azure"), or "none" """
     @_builtins.property
     def store(self) -> Global___StoreStatus: ...
     @_builtins.property
@@ -856,10 +859,11 @@ class DaemonStatus(_message.Message):
         workloads: _abc.Iterable[Global___WorkloadStatus] | None = ...,
         interrupted_at_start: _abc.Iterable[_builtins.str] | None = ...,
         triggers: _builtins.bool = ...,
+        trigger_provider: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "trigger_provider", b"trigger_provider", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_id: _TypeAlias = _typing.Literal["node_id"]  # noqa: Y015
     _WhichOneofArgType__node_id: _TypeAlias = _typing.Literal["_node_id", b"_node_id"]  # noqa: Y015
