@@ -251,6 +251,7 @@ class FakeService:
             ],
             "interrupted_at_start": ["job-0"],
             "triggers": False,
+            "trigger_provider": "none",
         }
 
     def triggers_status(self) -> dict[str, Any]:
