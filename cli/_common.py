@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from gpusnap.errors import InvalidArgument
-from gpusnap.storage import CheckpointStore, open_store
+from gpusnap.storage import CheckpointStore, ChunkCache, open_store
 from gpusnap.storage.backend import BackendOptions
 
 # The store used when neither --store nor GPUSNAP_STORE names one (see docs).
@@ -241,8 +241,11 @@ def backend_options(args: argparse.Namespace) -> BackendOptions:
     )
 
 
-def open_store_from_args(args: argparse.Namespace, *, create: bool = True) -> CheckpointStore:
-    """Open the store the options name; without ``create`` a missing one is ``NotFound``."""
+def open_store_from_args(
+    args: argparse.Namespace, *, create: bool = True, chunk_cache: ChunkCache | None = None
+) -> CheckpointStore:
+    """Open the store the options name; without ``create`` a missing one is ``NotFound``.
+    ``chunk_cache``: the node's chunk cache, for a pull (the caller closes it)."""
     return open_store(
         store_url(args),
         key_file=_env_path(args.key_file, "GPUSNAP_KEY_FILE"),
@@ -251,6 +254,7 @@ def open_store_from_args(args: argparse.Namespace, *, create: bool = True) -> Ch
         verify=not args.insecure_skip_verify,
         cache_dir=args.cache_dir,
         workers=args.workers,
+        chunk_cache=chunk_cache,
     )
 
 

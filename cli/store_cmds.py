@@ -25,6 +25,7 @@ from gpusnap.cli._common import (
     store_parser,
 )
 from gpusnap.cli._output import emit, human_bytes, out, print_json, render_table, when
+from gpusnap.cli.cache_cmds import open_pull_cache
 from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
 from gpusnap.cli.progress import ProgressBar
 from gpusnap.errors import (
@@ -67,6 +68,17 @@ def register(subparsers: Subparsers) -> None:
     p = add_command(sub, "pull", cmd_pull, "download a checkpoint into a directory", parents)
     p.add_argument("checkpoint_id", metavar="ID")
     p.add_argument("dest", type=_path_arg, metavar="DEST", help="destination directory")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="neither read nor fill the node's chunk cache",
+    )
+    p.epilog = (
+        "Chunks come from the node's chunk cache first: the one in --cache-dir (which then "
+        "also holds the chunk index), else GPUSNAP_CACHE_DIR, else the daemon's "
+        "/var/lib/gpusnap/cache where it exists. Every cached chunk is verified like a "
+        "store's; --json reports bytes_fetched (from the store) and bytes_cached."
+    )
 
     p = add_command(sub, "ls", cmd_ls, "list checkpoints, newest first", parents)
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
@@ -172,13 +184,28 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    with _opened(args) as store, _progress(args, "pull") as progress:
-        result = store.pull(args.checkpoint_id, args.dest, progress=progress)
+    cache = open_pull_cache(args.cache_dir, disabled=args.no_cache)
+    try:
+        store = open_store_from_args(args, create=False, chunk_cache=cache)
+        try:
+            with _progress(args, "pull") as progress:
+                result = store.pull(args.checkpoint_id, args.dest, progress=progress)
+        finally:
+            store.close()
+    finally:
+        if cache is not None:
+            cache.close()
     if args.json:
         print_json(result.as_dict())
         return EXIT_OK
     size = human_bytes(result.bytes_total)
-    _note(args, f"pulled {args.checkpoint_id} ({size}, {result.seconds:.1f} s)")
+    where = (
+        f"; {human_bytes(result.bytes_fetched)} from the store, "
+        f"{human_bytes(result.bytes_cached)} from the cache"
+        if cache is not None
+        else ""
+    )
+    _note(args, f"pulled {args.checkpoint_id} ({size}, {result.seconds:.1f} s{where})")
     out(str(args.dest))
     return EXIT_OK
 

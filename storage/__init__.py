@@ -4,8 +4,9 @@ What it holds: the backends (``file://``, ``s3://``) behind one small protocol, 
 wrapped around them; the key layout; content-defined chunking, the chunk codec (zstd,
 BLAKE3 names, AES-256-GCM) and the manifest; push, pull, verify and gc with the lock
 protocol between a push and a gc; signed records for other parts' small objects; the node's
-local chunk index. Files are cut into chunks named by their hash and uploaded once; a signed
-manifest, written last, makes a checkpoint exist. ``open_store`` is the entry point;
+local chunk index, and its chunk cache (``storage.cache``; prefetch: ``storage.prefetch``).
+Files are cut into chunks named by their hash and uploaded once; a signed manifest, written
+last, makes a checkpoint exist. ``open_store`` is the entry point;
 ``docs/design.md`` documents the format.
 
 This package imports nothing of gpusnap's but itself and ``gpusnap.errors`` (no daemon, no
@@ -13,6 +14,7 @@ cli, no proto).
 """
 
 from gpusnap.storage.backend import Backend, BackendOptions, ObjectInfo, open_backend
+from gpusnap.storage.cache import ChunkCache
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.keys import export_public_key, generate_encryption_key, generate_signing_key
 from gpusnap.storage.layout import MIGRATION_PREFIX
@@ -22,6 +24,7 @@ from gpusnap.storage.records import SignedRecords
 from gpusnap.storage.store import (
     CheckpointStore,
     GcReport,
+    PrefetchResult,
     PullResult,
     PushResult,
     VerifyReport,
@@ -33,12 +36,14 @@ __all__ = [
     "Backend",
     "BackendOptions",
     "CheckpointStore",
+    "ChunkCache",
     "ChunkRef",
     "FileEntry",
     "GcReport",
     "Manifest",
     "ManifestSummary",
     "ObjectInfo",
+    "PrefetchResult",
     "ProgressFn",
     "PullResult",
     "PushResult",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.storage.backend import Backend
+from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
 from gpusnap.storage.index import ChunkIndex, default_cache_dir
@@ -82,6 +83,8 @@ class StoreContext:
     index: ChunkIndex
     pools: Pools
     options: StoreOptions = StoreOptions()
+    # This store's part of the node's chunk cache (``storage/cache``), when there is one.
+    cache: StoreCache | None = None
 
     @property
     def local(self) -> bool:
@@ -102,17 +105,38 @@ def open_context(
     workers: int | None = None,
     chunker: Chunker | None = None,
     options: StoreOptions | None = None,
+    chunk_cache: ChunkCache | None = None,
 ) -> StoreContext:
-    """The context of the store on ``backend``; the backend is the caller's to close on error."""
+    """The context of the store on ``backend``; the backend is the caller's to close on error.
+
+    ``chunk_cache`` (the node's, the caller's to close) is read before the store and filled
+    from it; the context uses this store's scope of it only (``cache_key``).
+    """
     chunker = chunker or Chunker()
     cache = cache_dir or default_cache_dir(backend.url)
+    codec = ChunkCodec(keys.encryption)
     index = ChunkIndex(cache / "index.sqlite", backend.url)
     return StoreContext(
         backend=backend,
         keys=keys,
-        codec=ChunkCodec(keys.encryption),
+        codec=codec,
         chunker=chunker,
         index=index,
         pools=Pools.start(workers or (os.cpu_count() or 2), chunker.params.max_size),
         options=options or StoreOptions(),
+        cache=None if chunk_cache is None else _store_cache(chunk_cache, backend, codec),
     )
+
+
+def cache_key(backend: Backend) -> str:
+    """What the node's chunk cache knows this store by: its URL, until the store has an id
+    of its own (issue 12), which should then be returned here instead."""
+    return backend.url
+
+
+def _store_cache(cache: ChunkCache, backend: Backend, codec: ChunkCodec) -> StoreCache:
+    # The id the store would give a fixed string: the same for every reader with the same
+    # chunk-naming key (none, or the encryption key), different for any other, and saying
+    # nothing about the key. Objects read with another key never meet this one's.
+    fingerprint = codec.chunk_id(b"gpusnap chunk cache scope")
+    return StoreCache.open(cache, cache_key(backend), fingerprint, backend.url)

@@ -22,6 +22,7 @@ from typing import Any
 
 from gpusnap.errors import GpusnapError, InvalidArgument, NotFound, Unavailable
 from gpusnap.storage.backend import sync_deferred
+from gpusnap.storage.cache.seeding import seeding
 from gpusnap.storage.catalog import fetch_manifest, write_manifest
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.context import StoreContext
@@ -62,6 +63,14 @@ class PushResult:
         return asdict(self)
 
 
+def _seeded(ctx: StoreContext, seed_cache: bool) -> StoreContext:
+    """``ctx``, its chunk puts also kept in the node's cache when asked and there is one:
+    what a node just pushed, it holds (``storage/cache/seeding.py``)."""
+    if not seed_cache or ctx.cache is None:
+        return ctx
+    return replace(ctx, backend=seeding(ctx.backend, ctx.cache))
+
+
 def _parent_entries(ctx: StoreContext, parent: str | None) -> dict[str, FileEntry]:
     """The parent checkpoint's file entries by path: where to try cutting first.
 
@@ -98,12 +107,14 @@ def push_tree(
     extra: dict[str, Any] | None,
     streams: Mapping[str, StreamSource] | None,
     uploaded_streams: UploadedStreams | None,
+    seed_cache: bool = False,
 ) -> PushResult:
     """Upload ``src`` (and streams) as a new checkpoint, then commit its manifest.
 
     ``CheckpointStore.push`` documents the arguments (and their defaults).
     """
     started = time.monotonic()
+    ctx = _seeded(ctx, seed_cache)
     check_workload(workload)
     if parent is not None:
         check_checkpoint_id(parent)
@@ -238,9 +249,11 @@ def upload_streams(
     *,
     compress: bool | None,
     progress: ProgressFn | None,
+    seed_cache: bool = False,
 ) -> UploadedStreams:
     """Put the chunks of ``streams`` in the store now; a later push names them (no manifest)."""
     started = time.monotonic()
+    ctx = _seeded(ctx, seed_cache)
     ctx.keys.check_can_push()
     inputs, kinds = _stream_inputs(ctx.chunker, streams, ())
     sync_index_if_gc_ran(ctx)
@@ -257,9 +270,11 @@ def upload_growing(
     stop: Callable[[], bool],
     kind: str,
     compress: bool | None,
+    seed_cache: bool = False,
 ) -> UploadedStreams:
     """Upload a file while its writer appends to it (``CheckpointStore.upload_growing``)."""
     started = time.monotonic()
+    ctx = _seeded(ctx, seed_cache)
     ctx.keys.check_can_push()
     check_stream_path(name)
     source = growing_file_input(path, name, ctx.chunker, complete, stop=stop)

@@ -2,14 +2,16 @@
 
 A dump dies with the daemon. ``criu dump`` holds the tree seized (kill mode: it kills the tree
 once the images are written); orphaned by a daemon that died, it would finish, kill the tree,
-and leave images nobody uploads. So a dump runs with ``PR_SET_PDEATHSIG`` = ``SIGKILL``: the
-kernel kills it when the thread that started it dies, however the daemon dies. What that
-leaves was measured with criu 4.1.1 (SIGKILL at 0.05 to 1 s into the dump of a 400 MiB
-process, before and during the page transfer): the tracer's death detaches the tree and
-CRIU's parasite code in it returns to the interrupted context, so the tree runs on, unharmed;
-only once CRIU has reached its kill stage (after every image is written and flushed) is the
-tree gone, and then the images are complete. ``daemon/recovery.py`` tells these apart at the
-next start.
+and leave images nobody uploads. So a dump runs under ``setpriv --pdeathsig KILL`` (util-linux:
+``PR_SET_PDEATHSIG`` set in C before criu is exec'd, which keeps it): the kernel kills it when
+the thread that started it dies, however the daemon dies. (Not a ``preexec_fn``: Python code in
+the forked child of this multi-threaded daemon runs gRPC's fork handlers, which broke the child
+now and then: criu never ran.) What that leaves was measured with criu 4.1.1 (SIGKILL at
+0.05 to 1 s into the dump of a 400 MiB process, before and during the page transfer): the
+tracer's death detaches the tree and CRIU's parasite code in it returns to the interrupted
+context, so the tree runs on, unharmed; only once CRIU has reached its kill stage (after every
+image is written and flushed) is the tree gone, and then the images are complete.
+``daemon/recovery.py`` tells these apart at the next start.
 
 A restore is left to finish. Measured the same way, a ``criu restore`` killed after the tree
 was forked leaves its processes hung in CRIU's restorer (alive, holding their pids, never
@@ -25,13 +27,13 @@ restored tree could inherit.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +43,6 @@ log = logging.getLogger(__name__)
 
 RUN_RECORD = "criu-run.json"
 _KILL_GRACE_S = 5.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ def run(
     ``die_with_daemon``: the kernel kills it if the calling thread dies first.
     """
     record = workdir / RUN_RECORD
+    if die_with_daemon:
+        argv = [*_die_with_parent(), *argv]
     with open(out_path, "w+b") as out, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(
             argv,
@@ -90,9 +93,6 @@ def run(
             start_new_session=True,
             close_fds=True,
             pass_fds=pass_fds,
-            # The child runs one pre-resolved C call and getppid(): no lock another thread
-            # could hold at the fork (the hazard the lint names).
-            preexec_fn=_die_with_parent(os.getpid()) if die_with_daemon else None,  # noqa: PLW1509
         )
         _write_record(record, proc.pid, what)
         try:
@@ -121,16 +121,18 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    # Resolved before the fork: the child only calls it (no import, no lookup, after fork).
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def child() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)  # the daemon died between the fork and the prctl: nothing to run for
-
-    return child
+@functools.cache
+def _die_with_parent() -> tuple[str, ...]:
+    """The prefix that makes a command die with the thread that starts it: ``setpriv``'s, or
+    none (and a warning, once) where util-linux's setpriv is missing."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        log.warning(
+            "setpriv (util-linux) not found: a criu dump may outlive gpusnapd if it dies "
+            "mid-dump, and kill the workload after; install util-linux"
+        )
+        return ()
+    return (setpriv, "--pdeathsig", "KILL", "--")
 
 
 def _write_record(path: Path, pid: int, what: str) -> None:

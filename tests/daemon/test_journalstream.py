@@ -16,8 +16,8 @@ import pytest
 from gpusnap.daemon.host import journalstream, proctree
 from gpusnap.daemon.host.criu import OPTIONS_FILE, Criu
 from gpusnap.errors import InvalidArgument
-from tests.daemon.test_criu import _criu_or_skip
 from tests.support import workloads
+from tests.support.criu import criu_or_skip
 
 RECV_TIMEOUT_S = 30.0  # a hang guard only
 HEADER_LINES = 7  # identifier, unit, priority, level prefix, syslog, kmsg, console
@@ -48,7 +48,7 @@ def journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.
 
 @pytest.fixture
 def criu() -> Iterator[Criu]:
-    found = _criu_or_skip()
+    found = criu_or_skip()
     workloads.set_child_subreaper(True)
     yield found
     workloads.set_child_subreaper(False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -12,7 +14,7 @@ from gpusnap.errors import Unsupported
 from tests.fakes.fake_cuda import GIB, default_devices
 
 
-def _stamp(make_coordinator) -> dict:
+def _stamp(make_coordinator: Callable[..., GpuCoordinator]) -> dict[str, Any]:
     coordinator = make_coordinator()
     stamp = coordinator.stamp()
     coordinator.close()

@@ -24,7 +24,7 @@ from gpusnap.daemon.jobs.journal import INTERRUPTED_MESSAGE
 from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support import workloads
 from tests.support.faultproxy import FaultProxy
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.moto_server import TEST_REGION, MotoServer
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -44,8 +44,8 @@ if [ "$1" = dump ]; then exec {criu} "$@" --action-script {hook}; fi
 exec {criu} "$@"
 """
 
-CHUNK_PUT = "PUT /bucket/gpusnap/chunks/"
-MANIFEST_PUT = "PUT /bucket/gpusnap/manifests/"
+CHUNK_PUT = "/gpusnap/chunks/"  # under the test's bucket, in a PUT
+MANIFEST_PUT = "/gpusnap/manifests/"
 RAN_ON = "the dump did not finish and the workload runs on"
 RESTORED = "the dump had finished: the workload was restored on this node from the local dump"
 
@@ -110,15 +110,15 @@ def _copies(out: Path) -> list[int]:
 
 
 def _failed(proxy: FaultProxy, match: str) -> bool:
-    return any(outcome == "failed" and match in f"{m} {p}" for m, p, outcome in proxy.requests)
+    return any(o == "failed" and m == "PUT" and match in p for m, p, o in proxy.requests)
 
 
-def _s3_node(nodes: Nodes, proxy: FaultProxy, staging: Path, hooks: Hooks) -> Node:
+def _s3_node(nodes: Nodes, proxy: FaultProxy, bucket: str, staging: Path, hooks: Hooks) -> Node:
     node = nodes.make("a", daemon_config=f'staging_dir = "{staging}"\nupload_during_dump = false')
     node.env["GPUSNAP_CRIU"] = str(hooks.wrapper)
     # The upload retries (quickly, for as long as the test needs) what the proxy fails.
     node.write_config(
-        'url = "s3://bucket/gpusnap"\n'
+        f'url = "s3://{bucket}/gpusnap"\n'
         f'endpoint_url = "{proxy.endpoint_url}"\n'
         f'region = "{TEST_REGION}"\n'
         f'key_file = "{nodes.key_file}"\n'
@@ -129,7 +129,7 @@ def _s3_node(nodes: Nodes, proxy: FaultProxy, staging: Path, hooks: Hooks) -> No
 
 
 def _arrange(
-    point: str, hooks: Hooks, proxy: FaultProxy, staging: Path, pid: int
+    point: str, hooks: Hooks, proxy: FaultProxy, bucket: str, staging: Path, pid: int
 ) -> Callable[[], bool]:
     """Set the checkpoint up to stop at ``point``; the condition that says it is there."""
     if point == "before-the-dump":  # CRIU started; the tree not yet touched
@@ -142,13 +142,13 @@ def _arrange(
         hooks.hold("post-dump")
         return lambda: hooks.reached("post-dump")
     if point == "after-the-dump-before-the-upload":  # no chunk lands
-        proxy.fail_next(10**6, status=500, match=CHUNK_PUT)
+        proxy.fail_next(10**6, status=500, match=f"PUT /{bucket}{CHUNK_PUT}")
         return lambda: _failed(proxy, CHUNK_PUT)
     if point == "during-the-upload":  # one chunk lands, the rest do not
-        proxy.fail_next(10**6, status=500, match=CHUNK_PUT, after=1)
+        proxy.fail_next(10**6, status=500, match=f"PUT /{bucket}{CHUNK_PUT}", after=1)
         return lambda: _failed(proxy, CHUNK_PUT)
     assert point == "before-the-commit"  # every chunk in, the manifest refused
-    proxy.fail_next(10**6, status=500, match=MANIFEST_PUT)
+    proxy.fail_next(10**6, status=500, match=f"PUT /{bucket}{MANIFEST_PUT}")
     return lambda: _failed(proxy, MANIFEST_PUT)
 
 
@@ -171,16 +171,17 @@ def test_a_daemon_killed_during_a_kill_mode_checkpoint_leaves_the_workload_runni
     nodes: Nodes,
     freezable: Path,
     tmp_path: Path,
+    moto_server: MotoServer,
+    s3_bucket: str,
 ) -> None:
     hooks = Hooks(tmp_path / "hooks")
-    with aws_test_credentials(), MotoServer() as moto, FaultProxy(moto.endpoint_url) as proxy:
-        moto.create_bucket("bucket")
-        node = _s3_node(nodes, proxy, freezable, hooks).start()
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        node = _s3_node(nodes, proxy, s3_bucket, freezable, hooks).start()
         w = workloads.start_counter(tmp_path / "run")
         pid = w.pid
         try:
             w.wait_steps(3)
-            ready = _arrange(point, hooks, proxy, freezable, pid)
+            ready = _arrange(point, hooks, proxy, s3_bucket, freezable, pid)
             got = node.cli("checkpoint", "--pid", str(pid), "--json")
             assert got.rc == 0, got.stderr
             job_id = got.json["id"]

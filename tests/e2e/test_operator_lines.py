@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import Nodes
 from tests.support import workloads
 from tests.support.workloads import Started
@@ -63,7 +64,8 @@ def test_a_restore_blocked_by_a_zombie_says_so(
     node = nodes.make("a", extra_config=NO_CLOUD).start()
     ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")  # kill mode
     assert ck.rc == 0, ck.stderr
-    workloads.wait_gone(w.pid)  # dead, and not reaped by us, its parent: a zombie
+    # Dead, and not reaped by us, its parent: a zombie.
+    workloads._poll(lambda: not proctree.exists(w.pid), 60, "the dumped workload to die")
     rs = node.cli("restore", ck.json["checkpoint_id"], "--wait")
     assert rs.rc == 1
     assert (

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Node, Nodes, _subreaper, criu_or_skip, started  # noqa: F401
+from tests.e2e.conftest import Node, Nodes, _subreaper, started  # noqa: F401
 from tests.fakes.fake_cuda import STATE_ENV, FakeCuda
+from tests.support.criu import criu_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_DRIVER = "module:tests.fakes.fake_cuda"
