@@ -25,8 +25,14 @@ from gpusnap.storage.backend import Backend, BackendOptions, open_backend
 from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.context import StoreContext, open_context
 from gpusnap.storage.gc import GcReport
+from gpusnap.storage.identity import StoreIdentity
 from gpusnap.storage.index import ChunkIndex, rebuild_index
-from gpusnap.storage.keys import StoreKeys, load_encryption_key, load_signing_key
+from gpusnap.storage.keys import (
+    StoreKeys,
+    load_encryption_key,
+    load_signing_key,
+    load_trusted_keys,
+)
 from gpusnap.storage.manifest import Manifest, ManifestSummary
 from gpusnap.storage.parallel import ProgressFn
 from gpusnap.storage.prefetch import PrefetchResult, TokenBucket
@@ -34,7 +40,7 @@ from gpusnap.storage.pull import PullResult
 from gpusnap.storage.push import PushResult
 from gpusnap.storage.records import SignedRecords, open_record, seal_record
 from gpusnap.storage.streams import StreamSource, UploadedStreams
-from gpusnap.storage.verify import VerifyReport
+from gpusnap.storage.verify import StoreCheck, VerifyReport
 
 
 class CheckpointStore:
@@ -52,6 +58,18 @@ class CheckpointStore:
     def index(self) -> ChunkIndex:
         """The node's local chunk index for this store (a hint, never the truth)."""
         return self.context.index
+
+    @property
+    def identity(self) -> StoreIdentity | None:
+        """The store's identity (its signed ``config``) as last read: at open, and again by
+        each push, which writes one into a store that has none. ``None`` before that, or
+        when the config found cannot be authenticated (``identity_problem`` says why)."""
+        return self.context.store_identity
+
+    @property
+    def identity_problem(self) -> GpusnapError | None:
+        """Why the store's config was not used (altered, or signed by an untrusted key)."""
+        return self.context.identity.problem
 
     @property
     def cache(self) -> StoreCache | None:
@@ -89,6 +107,7 @@ class CheckpointStore:
         extra: dict[str, Any] | None = None,
         streams: Mapping[str, StreamSource] | None = None,
         uploaded_streams: UploadedStreams | None = None,
+        full: bool = False,
         seed_cache: bool = False,
     ) -> PushResult:
         """Upload the tree ``src`` as a new checkpoint; the manifest is committed last.
@@ -97,6 +116,12 @@ class CheckpointStore:
         uploaded in the same run; ``uploaded_streams`` adds streams ``upload_streams``
         already put in the store. Both become ordinary file entries, named in
         ``extra["streams"]`` with their kind; a path may not also be a file under ``src``.
+
+        Chunks the local index lists are not uploaded, and are proven present in the store
+        before the commit (those it lacks are uploaded after all). ``full`` uploads every
+        chunk whatever the index says, replacing the objects (for a workload whose latest
+        checkpoint a check found damaged; ``parent`` is then only a cutting hint).
+
         ``seed_cache`` keeps every chunk object this push uploads in the node's chunk cache
         too (when the store has one): what a node just pushed, it holds.
         """
@@ -113,6 +138,7 @@ class CheckpointStore:
             extra=extra,
             streams=streams,
             uploaded_streams=uploaded_streams,
+            full=full,
             seed_cache=seed_cache,
         )
 
@@ -279,8 +305,22 @@ class CheckpointStore:
     def verify(
         self, ids: builtins.list[str] | None = None, *, read_data: bool = False
     ) -> VerifyReport:
-        """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks."""
+        """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks.
+
+        Missing chunks are dropped from the local index and corrupt ones marked bad, so the
+        next push uploads them again; the report names every damaged checkpoint.
+        """
         return verify.verify_store(self.context, ids, read_data=read_data)
+
+    def check(self, checkpoint_ids: Collection[str] | None = None) -> StoreCheck:
+        """A cheap existence check of every chunk the checkpoints name (all when ``None``):
+        one LIST of the manifests, a GET of each, one LIST of the chunks, nothing read.
+
+        For the daemon's schedule (``[store] check_interval``). ``StoreCheck.missing`` maps
+        each damaged checkpoint to the chunks the store lacks; those are dropped from the
+        local index, so the next push uploads them again.
+        """
+        return verify.check_chunks(self.context, checkpoint_ids)
 
     def gc(
         self, *, keep_last: int | None = None, grace_seconds: float = 3600.0, dry_run: bool = False
@@ -313,9 +353,16 @@ def open_store(
     verify: bool = True,
     cache_dir: Path | None = None,
     workers: int | None = None,
+    trusted_keys: Collection[Path] = (),
     chunk_cache: ChunkCache | None = None,
 ) -> CheckpointStore:
     """Open the checkpoint store at ``url`` (``file:///path`` or ``s3://bucket/prefix``).
+
+    ``key_file`` is this node's signing key (its manifests are signed with it, and its own
+    signature is always trusted); ``trusted_keys`` are public key files, or directories of
+    ``*.pub`` files, whose signatures this node also accepts (other nodes' keys, and retired
+    keys whose checkpoints must still restore). A manifest signed by any other key is
+    refused (``UntrustedSigner``, exit 4). Opening reads the store's ``config`` (one GET).
 
     ``cache_dir`` holds the store's chunk index; ``chunk_cache`` is the node's chunk cache
     (``storage.cache.ChunkCache``, the caller's to close, after the store), which pulls read
@@ -323,11 +370,12 @@ def open_store(
     """
     signer = load_signing_key(key_file) if key_file is not None else None
     encryption = load_encryption_key(encryption_key_file) if encryption_key_file else None
+    trusted = load_trusted_keys(trusted_keys)
     if workers is not None and workers < 1:
         raise InvalidArgument("workers must be at least 1")
     backend = open_backend(url, options)
     try:
-        keys = StoreKeys(signer, encryption, verify)
+        keys = StoreKeys(signer, encryption, verify, trusted)
         return CheckpointStore(
             open_context(
                 backend, keys, cache_dir=cache_dir, workers=workers, chunk_cache=chunk_cache
@@ -344,6 +392,7 @@ __all__ = [
     "PrefetchResult",
     "PullResult",
     "PushResult",
+    "StoreCheck",
     "VerifyReport",
     "open_store",
 ]

@@ -61,9 +61,13 @@ def _start_push(cli: Cli, image: Path) -> subprocess.Popen[str]:
 
 
 def _wait_for_uploads(proxy: FaultProxy, proc: subprocess.Popen[str], count: int) -> None:
-    """Block until the push has sent ``count`` PUTs through the proxy (or has ended)."""
+    """Block until the push has sent ``count`` chunk PUTs through the proxy (or has ended)."""
     while proc.poll() is None:
-        puts = [r for r in list(proxy.requests) if r[0] == "PUT" and r[2] == "forwarded"]
+        puts = [
+            r
+            for r in list(proxy.requests)
+            if r[0] == "PUT" and "/chunks/" in r[1] and r[2] == "forwarded"
+        ]
         if len(puts) >= count:
             return
         time.sleep(0.005)
