@@ -267,7 +267,10 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
 
     def show_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
         request = pb.ShowCheckpointRequest(checkpoint_id=checkpoint_id)
-        return wire.from_struct(self._unary(self._checkpoints.Show, request).checkpoint)
+        reply = self._unary(self._checkpoints.Show, request)
+        if reply.manifest_json:  # exact integers; an older daemon sends the Struct only
+            return wire.from_json(reply.manifest_json)
+        return wire.from_struct(reply.checkpoint)
 
     def list_workloads(self) -> list[dict[str, Any]]:
         reply = self._unary(self._workloads.List, pb.ListWorkloadsRequest())
@@ -286,6 +289,10 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
     def migrations(self) -> list[dict[str, Any]]:
         reply = self._unary(self._daemon.ListMigrations, pb.ListMigrationsRequest())
         return [wire.from_struct(m) for m in reply.migrations]
+
+    def withdraw_migration(self, checkpoint_id: str, reason: str = "") -> dict[str, Any]:
+        request = pb.WithdrawMigrationRequest(checkpoint_id=checkpoint_id, reason=reason)
+        return wire.from_struct(self._unary(self._daemon.WithdrawMigration, request).migration)
 
     def drill(self, deadline_s: float | None = None) -> dict[str, Any]:
         request = pb.DrillRequest()

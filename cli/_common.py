@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
+from gpusnap.errors import InvalidArgument
 from gpusnap.storage import CheckpointStore, ChunkCache, open_store
 from gpusnap.storage.backend import BackendOptions
 
@@ -38,9 +40,83 @@ _DURATION_WHOLE = re.compile(r"(?:\d+(?:\.\d+)?[smhd])+")
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+class UsageError(InvalidArgument):
+    """A command line argparse refuses: one line, exit 2, and with ``--json`` the error object
+    on stdout too (``cli/main.py``)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` whose errors are a ``UsageError`` (one line naming the command and where its
+    help is) instead of a usage block and ``SystemExit``. An option the command does not have
+    is named as such, not hidden behind a missing required argument (argparse checks those
+    first). Subcommand parsers are of this class too (``add_subparsers`` keeps it)."""
+
+    _seen: Sequence[str] = ()
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._seen = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # named against the command that was given, not the top level
+            prog = getattr(parsed, "command_prog", self.prog)
+            raise _usage(prog, f"unrecognized argument {extras[0]}")
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        unknown = self._unknown_options()
+        if unknown and "required" in message:
+            message = f"unrecognized argument {unknown[0]}"
+        elif "invalid choice" in message:
+            message = _with_suggestion(message)
+        raise _usage(self.prog, message)
+
+    def _unknown_options(self) -> list[str]:
+        known = list(self._option_string_actions)
+        out = []
+        for arg in self._seen:
+            if arg == "--":
+                break
+            if not arg.startswith("-") or arg == "-" or _NUMBER.fullmatch(arg):
+                continue
+            name = arg.split("=", 1)[0]
+            if name.startswith("--"):
+                if any(k.startswith(name) for k in known):  # exact, or a prefix argparse takes
+                    continue
+            elif name[:2] in known:  # -v, -vv, -xVALUE
+                continue
+            out.append(name)
+        return out
+
+
+def _usage(prog: str, message: str) -> UsageError:
+    """``checkpoint: <message> (see `gpusnap checkpoint --help`)``: one line."""
+    command = prog.partition(" ")[2]
+    return UsageError(f"{command + ': ' if command else ''}{message} (see `{prog} --help`)")
+
+
+_NUMBER = re.compile(r"-\d+(\.\d+)?")
+_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def _with_suggestion(message: str) -> str:
+    m = _CHOICE.search(message)
+    if m is None:
+        return message
+    choices = [c.strip().strip("'") for c in m[2].split(",")]
+    close = difflib.get_close_matches(m[1], choices, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"one of {', '.join(choices)}"
+    return f"{message[: m.start()]}invalid choice {m[1]!r} ({hint})"
+
+
 def common_parser() -> argparse.ArgumentParser:
     """``--json`` and ``-v``; add as a parent to every command parser."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = Parser(add_help=False)
     # SUPPRESS keeps a value given before the command from being reset by a subparser;
     # main() fills in the defaults afterwards, so ``args.json`` always exists.
     p.add_argument(
@@ -69,7 +145,7 @@ def add_command(
     """Add the command ``name`` that runs ``func(args) -> exit code``; with ``--json`` and
     ``-v`` unless other ``parents`` are given. Returns its parser, for its own arguments."""
     p = subparsers.add_parser(name, parents=list(parents or [common_parser()]), help=help_text)
-    p.set_defaults(func=func)
+    p.set_defaults(func=func, command_prog=p.prog)
     return p
 
 

@@ -1,4 +1,5 @@
-"""How the CLI talks to a person or a script: JSON, tables, sizes, errors, the progress bar.
+"""How the CLI talks to a person or a script: JSON, tables, sizes, errors (the progress line
+is ``progress.py``).
 
 Only the CLI entry point prints; everything here writes to streams it is given, so the
 command modules stay testable and the libraries underneath never print.
@@ -7,10 +8,7 @@ command modules stay testable and the libraries underneath never print.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -116,62 +114,3 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row)]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
-
-
-class ProgressBar:
-    """A one-line progress bar on a terminal: bytes, percent, MB/s, ETA.
-
-    Callable as ``bar(done, total)`` from any thread (the store calls it from its
-    workers); redraws at most every ``min_interval`` seconds, plus once at completion.
-    """
-
-    def __init__(self, label: str, stream: TextIO, *, min_interval: float = 0.1) -> None:
-        self._label = label
-        self._stream = stream
-        self._min_interval = min_interval
-        self._lock = threading.Lock()
-        self._start = time.monotonic()
-        self._last_draw = 0.0
-        self._drawn = False
-        self._finished = False
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._finished:
-                return
-            complete = total > 0 and done >= total
-            if not complete and now - self._last_draw < self._min_interval:
-                return
-            self._last_draw = now
-            self._draw(done, total, now)
-            if complete:
-                self._finish_locked()
-
-    def _draw(self, done: int, total: int, now: float) -> None:
-        elapsed = max(now - self._start, 1e-6)
-        rate = done / elapsed  # bytes per second
-        frac = min(1.0, done / total) if total > 0 else 0.0
-        eta = human_seconds((total - done) / rate) if rate > 0 and total > done else "0:00"
-        tail = (
-            f" {frac * 100:5.1f}%  {human_bytes(done)}/{human_bytes(total)}"
-            f"  {rate / 1e6:7.1f} MB/s  ETA {eta}"
-        )
-        columns = shutil.get_terminal_size((80, 24)).columns
-        width = max(10, min(40, columns - len(self._label) - len(tail) - 4))
-        filled = int(frac * width)
-        bar = "#" * filled + "." * (width - filled)
-        self._stream.write(f"\r{self._label} [{bar}]{tail}\x1b[K")
-        self._stream.flush()
-        self._drawn = True
-
-    def _finish_locked(self) -> None:
-        if self._drawn and not self._finished:
-            self._stream.write("\n")
-            self._stream.flush()
-        self._finished = True
-
-    def close(self) -> None:
-        """End the line (idempotent); call on success and on failure alike."""
-        with self._lock:
-            self._finish_locked()

@@ -18,14 +18,14 @@ from gpusnap.cli._client import DaemonClient, connect, query
 from gpusnap.cli._common import Subparsers, add_command, stderr_is_tty
 from gpusnap.cli._output import (
     PROG,
-    ProgressBar,
     emit,
     human_bytes,
     print_json,
     render_table,
     when,
 )
-from gpusnap.cli.store_cmds import render_manifest
+from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
+from gpusnap.cli.progress import ProgressBar
 from gpusnap.errors import ERROR_TABLE, EXIT_OK, Unavailable, error_from_kind, exit_code_for
 
 # The API carries a pid as an int32; whether it names a process is the daemon's to say.
@@ -41,6 +41,8 @@ CHECKPOINT_WAIT_KEYS = (
 )
 RESTORE_WAIT_KEYS = ("checkpoint_id", "mode", "pids", "reasons", "seconds")
 TERMINAL_STATES = ("succeeded", "failed", "cancelled", "interrupted")
+# What the progress line calls a job's phase ("pending" is a job waiting for a slot).
+_PHASE_SHOWN = {"pending": "queued"}
 # A terminal state without an error kind still exits non-zero with a fitting kind.
 _STATE_KINDS = {"failed": "internal", "cancelled": "cancelled", "interrupted": "unavailable"}
 
@@ -75,6 +77,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
     p = add_command(subparsers, "show", cmd_show, "describe one checkpoint")
     p.add_argument("checkpoint_id", metavar="ID")
+    add_show_env(p)
     add_command(subparsers, "workloads", cmd_workloads, "list configured workloads")
     add_command(subparsers, "status", cmd_status, "the daemon's status")
 
@@ -145,16 +148,20 @@ def _age(seconds: Any) -> str:
 
 
 def _follow(client: DaemonClient, job: dict[str, Any]) -> dict[str, Any]:
-    """Watch ``job`` to its terminal state; returns the final snapshot."""
+    """Watch ``job`` to its terminal state; returns the final snapshot. On a terminal, one
+    progress line per phase (``cli/progress.py``)."""
     bar = ProgressBar(f"{job['kind']} {job['id']}", sys.stderr) if stderr_is_tty() else None
+    if bar is not None:
+        bar.start_ticking()
     last = job
     try:
         for snapshot in client.watch_job(job["id"]):
             last = snapshot
-            if bar is not None and snapshot["bytes_total"]:
-                bar(min(snapshot["bytes_done"], snapshot["bytes_total"]), snapshot["bytes_total"])
             if snapshot["state"] in TERMINAL_STATES:
                 break
+            if bar is not None:
+                bar.phase(_PHASE_SHOWN.get(snapshot["phase"], snapshot["phase"]))
+                bar(snapshot["bytes_done"], snapshot["bytes_total"])
     finally:
         if bar is not None:
             bar.close()
@@ -220,8 +227,14 @@ def _reason_text(reason: Any) -> str:
 def _queued_or_followed(
     args: argparse.Namespace, client: DaemonClient, job: dict[str, Any], keys: tuple[str, ...]
 ) -> int:
-    """Without ``--wait``: the queued job (its id, or the job as JSON); with it, its outcome."""
+    """Without ``--wait``: the queued job (its id on stdout, for scripts, and on stderr how to
+    follow it; or the job as JSON); with it, its outcome."""
     if not args.wait:
+        if not args.json:
+            sys.stderr.write(
+                f"{job['kind']} job {job['id']} queued: `{PROG} job {job['id']}` shows how it "
+                "goes (--wait follows it to its end)\n"
+            )
         return emit(args.json, job, lambda: str(job["id"]))
     return _finish(args, _follow(client, job), keys)
 
@@ -315,7 +328,11 @@ def _ls_table(checkpoints: list[dict[str, Any]]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    return query(args, lambda c: c.show_checkpoint(args.checkpoint_id), render_manifest)
+    def shown(c: DaemonClient) -> dict[str, Any]:
+        manifest = c.show_checkpoint(args.checkpoint_id)
+        return manifest if args.show_env else redact_env(manifest)
+
+    return query(args, shown, render_manifest)
 
 
 def cmd_workloads(args: argparse.Namespace) -> int:
@@ -352,8 +369,13 @@ def _status_text(status: dict[str, Any]) -> str:
     lines = [
         f"{key}: {value}"
         for key, value in sorted(status.items())
-        if not isinstance(value, dict | list) and value is not None
+        if not isinstance(value, dict | list)
+        and value is not None
+        and key not in ("triggers", "trigger_provider")
     ]
+    provider = status.get("trigger_provider") or "none"
+    watching = f"watching {provider}" if status.get("triggers") else "none (no cloud watcher)"
+    lines.append(f"triggers: {watching}")
     store = status.get("store")
     if isinstance(store, dict):
         lines.append(f"store_url: {store.get('url')}")

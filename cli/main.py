@@ -22,7 +22,7 @@ import traceback
 
 from gpusnap import __version__
 from gpusnap.cli import cache_cmds, daemon_cmds, plan, store_cmds, trigger_cmds
-from gpusnap.cli._common import common_parser
+from gpusnap.cli._common import Parser, UsageError, common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
 
@@ -73,7 +73,7 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=PROG,
         description="Checkpoint, ship and restore GPU workloads.",
         parents=[common_parser()],
@@ -110,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(0)
     parser = build_parser()
     args: argparse.Namespace | None = None
+    words = sys.argv[1:] if argv is None else argv
     try:
-        args = parser.parse_args(argv)  # usage errors exit 2 from inside argparse
+        try:
+            args = parser.parse_args(argv)
+        except UsageError as err:  # before args exist: --json as it was typed
+            return print_error(err, as_json="--json" in words[: _end_of_options(words)])
         if not hasattr(args, "json"):
             args.json = False
         if not hasattr(args, "verbose"):
@@ -138,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         if _debug_wanted(args):
             traceback.print_exc()
         return print_error(err, as_json=bool(args is not None and args.json), internal=True)
+
+
+def _end_of_options(words: list[str]) -> int:
+    return words.index("--") if "--" in words else len(words)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ from gpusnap.cli._common import (
     stderr_is_tty,
     store_parser,
 )
-from gpusnap.cli._output import ProgressBar, emit, human_bytes, out, print_json, render_table, when
+from gpusnap.cli._output import emit, human_bytes, out, print_json, render_table, when
 from gpusnap.cli.cache_cmds import open_pull_cache
+from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
+from gpusnap.cli.progress import ProgressBar
 from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_INTEGRITY,
@@ -94,9 +96,9 @@ def register(subparsers: Subparsers) -> None:
     p = add_command(sub, "ls", cmd_ls, "list checkpoints, newest first", parents)
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
 
-    add_command(sub, "show", cmd_show, "describe one checkpoint", parents).add_argument(
-        "checkpoint_id", metavar="ID"
-    )
+    p = add_command(sub, "show", cmd_show, "describe one checkpoint", parents)
+    p.add_argument("checkpoint_id", metavar="ID")
+    add_show_env(p)
 
     p = add_command(sub, "verify", cmd_verify, "check checkpoints are complete and intact", parents)
     which = p.add_mutually_exclusive_group(required=True)
@@ -159,7 +161,8 @@ def _progress(args: argparse.Namespace, label: str) -> Iterator[Progress | None]
     if args.json or not stderr_is_tty():
         yield None
         return
-    bar = ProgressBar(label, sys.stderr)
+    bar = ProgressBar("store", sys.stderr)
+    bar.phase(label)
     try:
         yield bar
     finally:
@@ -167,8 +170,9 @@ def _progress(args: argparse.Namespace, label: str) -> Iterator[Progress | None]
 
 
 def _note(args: argparse.Namespace, text: str) -> None:
-    """A human summary on stderr: on a terminal, or with -v; never with --json."""
-    if not args.json and (args.verbose or stderr_is_tty()):
+    """A human summary on stderr (stdout keeps the one result a script reads); never with
+    --json, where the summary is the JSON itself."""
+    if not args.json:
         sys.stderr.write(text + "\n")
 
 
@@ -277,50 +281,8 @@ def _report_skipped(skipped: list[tuple[str, GpusnapError]]) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     with _opened(args) as store:
         manifest = store.manifest(args.checkpoint_id).to_dict()
-    return emit(args.json, manifest, lambda: render_manifest(manifest))
-
-
-def render_manifest(m: dict[str, Any]) -> str:
-    """A manifest as a person reads it: ``Manifest.to_dict()``, or the daemon's ``show`` of it
-    (whose files have no mode and no chunk list)."""
-    files: list[dict[str, Any]] = m.get("files") or []
-    totals: dict[str, Any] = m.get("totals") or {}
-    size = totals.get("bytes_total", sum(int(f["size"]) for f in files))
-    chunks = totals.get("chunks_total", sum(len(f.get("chunks") or []) for f in files))
-    stamp: dict[str, Any] = m.get("stamp") or {}
-    lines = [
-        f"checkpoint  {m['checkpoint_id']}",
-        f"workload    {m['workload']}",
-        f"created     {when(m['created_at'])}",
-        f"parent      {m.get('parent') or '-'}",
-        f"size        {human_bytes(size)} in {len(files)} files, {chunks} chunks",
-        f"schema      {m.get('schema_version', '-')}",
-    ]
-    if stamp:
-        lines.append("stamp")
-        lines.extend(f"  {k}: {stamp[k]}" for k in sorted(stamp))
-    else:
-        lines.append("stamp       (empty)")
-    if files:
-        lines.append("files")
-        rows = [
-            [
-                _mode(f.get("mode")),
-                human_bytes(int(f["size"])),
-                str(len(f.get("chunks") or [])),
-                str(f["path"]),
-            ]
-            for f in files
-        ]
-        table = render_table(["MODE", "SIZE", "CHUNKS", "PATH"], rows)
-        lines.extend("  " + line for line in table.splitlines())
-    return "\n".join(lines)
-
-
-def _mode(value: Any) -> str:
-    if isinstance(value, int):
-        return f"{value & 0o7777:04o}"
-    return "-" if value is None else str(value)
+    shown = manifest if args.show_env else redact_env(manifest)
+    return emit(args.json, shown, lambda: render_manifest(shown))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -2,9 +2,10 @@
 
 ``triggers`` shows the reclaim watchers (provider, last poll, last error, last notice) and
 each workload's policy state; ``migrations`` shows migration requests (pending, claimed by
-whom, outcome); ``drill reclaim`` runs the whole reclaim path on this node as if a notice had
-arrived — the workloads are checkpointed in kill mode and published for standby nodes. All
-take ``--json``; a daemon that cannot be reached is one line and exit 5.
+whom, outcome, expired or superseded) and ``migrations withdraw ID`` ends one no node took;
+``drill reclaim`` runs the whole reclaim path on this node as if a notice had arrived — the
+workloads are checkpointed in kill mode and published for standby nodes. All take ``--json``;
+a daemon that cannot be reached is one line and exit 5.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def deadline_seconds(text: str) -> float:
 
 
 def render_triggers(state: dict[str, Any]) -> str:
+    """Watchers, then each workload: its pid when it runs (``-``: not running), its policy,
+    the background checkpoint job in flight (``JOB``: periodic, rebalance) and its reclaim."""
     lines = [f"provider: {state.get('provider', 'none')}  ({state.get('detail') or 'no detail'})"]
     rows = []
     for w in state.get("watchers") or []:
@@ -61,6 +64,7 @@ def render_triggers(state: dict[str, Any]) -> str:
         wrows.append(
             [
                 str(w.get("workload")),
+                str(w.get("pid") or "-"),
                 str(w.get("on_notice")),
                 str(w.get("checkpoint_interval") or "-"),
                 str(w.get("running") or "-"),
@@ -80,7 +84,7 @@ def render_triggers(state: dict[str, Any]) -> str:
         )
     if wrows:
         lines.append(
-            render_table(["WORKLOAD", "ON NOTICE", "INTERVAL", "RUNNING", "RECLAIM"], wrows)
+            render_table(["WORKLOAD", "PID", "ON NOTICE", "INTERVAL", "JOB", "RECLAIM"], wrows)
         )
     return "\n".join(lines)
 
@@ -92,7 +96,6 @@ def render_migrations(items: list[dict[str, Any]]) -> str:
     for m in items:
         req = m.get("request") or {}
         claim = m.get("claim") or {}
-        outcome = m.get("outcome") or {}
         rows.append(
             [
                 str(m.get("checkpoint_id")),
@@ -100,10 +103,25 @@ def render_migrations(items: list[dict[str, Any]]) -> str:
                 str(req.get("source_node", "?")),
                 str(m.get("status")),
                 f"{claim.get('node_id')} ({claim.get('mode')})" if claim else "-",
-                str(outcome.get("mode") or outcome.get("state") or "-") if outcome else "-",
+                _outcome_text(m),
             ]
         )
     return render_table(["CHECKPOINT", "WORKLOAD", "FROM", "STATUS", "CLAIMED BY", "OUTCOME"], rows)
+
+
+def _outcome_text(m: dict[str, Any]) -> str:
+    outcome = m.get("outcome") or {}
+    if outcome:
+        what = str(outcome.get("mode") or outcome.get("state") or "-")
+        detail = outcome.get("detail")
+        return f"{what}: {detail}" if detail and what in ("withdrawn", "superseded") else what
+    if m.get("superseded_by"):
+        return f"superseded by {m['superseded_by']}"
+    if m.get("status") == "expired" and m.get("expires_at"):
+        return f"expired {_ago(m['expires_at'])}"
+    if m.get("status") == "pending" and m.get("expires_at"):
+        return f"expires {_ago(m['expires_at'])}"
+    return "-"
 
 
 def cmd_triggers(args: argparse.Namespace) -> int:
@@ -112,6 +130,14 @@ def cmd_triggers(args: argparse.Namespace) -> int:
 
 def cmd_migrations(args: argparse.Namespace) -> int:
     return query(args, lambda c: c.migrations(), render_migrations, key="migrations")
+
+
+def cmd_migrations_withdraw(args: argparse.Namespace) -> int:
+    def said(m: dict[str, Any]) -> str:
+        workload = (m.get("request") or {}).get("workload", "?")
+        return f"migration of {m.get('checkpoint_id')} ({workload}) withdrawn: no standby adopts it"
+
+    return query(args, lambda c: c.withdraw_migration(args.checkpoint_id, args.reason), said)
 
 
 def cmd_drill_reclaim(args: argparse.Namespace) -> int:
@@ -127,8 +153,13 @@ def cmd_drill_reclaim(args: argparse.Namespace) -> int:
 def register(subparsers: Subparsers) -> None:
     what = "reclaim watchers: provider, last poll, last notice"
     add_command(subparsers, "triggers", cmd_triggers, what)
-    what = "migration requests: pending, claimed by whom, outcome"
-    add_command(subparsers, "migrations", cmd_migrations, what)
+    what = "migration requests: pending, claimed by whom, outcome; withdraw one"
+    p = add_command(subparsers, "migrations", cmd_migrations, what)
+    actions = p.add_subparsers(dest="migrations_action", metavar="[withdraw]")
+    what = "end a request no node has claimed: no standby adopts it after this"
+    w = add_command(actions, "withdraw", cmd_migrations_withdraw, what)
+    w.add_argument("checkpoint_id", metavar="ID", help="the checkpoint the request is for")
+    w.add_argument("--reason", default="", help="said in the request's outcome")
 
     p = subparsers.add_parser(
         "drill", parents=[common_parser()], help="rehearse a reclaim on this node"

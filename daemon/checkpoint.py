@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpusnap.daemon import progress
 from gpusnap.daemon.config import WorkloadConfig
 from gpusnap.daemon.gpu_memory import MemoryUploads
 from gpusnap.daemon.host import proctree
@@ -30,6 +31,7 @@ from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
+from gpusnap.daemon.recovery import record_dump
 from gpusnap.daemon.rescue import Rescue
 from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.storecheck import StoreChecker
@@ -94,15 +96,26 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         ctx.phase(Phase.DUMP)
         # Accepted -> CRIU starts: queueing, the store's latest, the look at the tree, stamps.
         prepare = time.time() - job_started
+        # What the next daemon needs to tell, should this one die, how far the dump got.
+        record_dump(
+            staging,
+            workload=plan.workload,
+            leave_running=plan.leave_running,
+            pids=pids,
+            cuda_pids=list(freeze.cuda_pids),
+            gpu={**gpu_stamp, **freeze.to_stamp()},
+            gpu_memory_in_store=gpu_memory.uploaded is not None,
+        )
         # A first checkpoint uploads everything: overlap that with the dump (a later one
         # follows its parent's chunks, which makes its upload cheap after the dump).
         if parent is None and node.config.daemon.upload_during_dump:
             pages = PageStreamer(store, images, compress=plan.compress)
             pages.start()
         try:
-            dump = node.criu.dump(
-                look.tree[0].pid, images, leave_running=plan.leave_running, log_path=dump_log
-            )
+            with progress.dumping(ctx, images, pids):
+                dump = node.criu.dump(
+                    look.tree[0].pid, images, leave_running=plan.leave_running, log_path=dump_log
+                )
         except GpusnapError:
             if pages is not None:
                 pages.abort()
@@ -148,7 +161,17 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         }
 
         ctx.phase(Phase.UPLOAD)
-        uploaded = _uploaded_streams(gpu_memory.uploaded, pages)
+        # The whole checkpoint (progress.py): what is already in the store counts as done.
+        gpu_bytes = gpu_memory.uploaded.bytes_total if gpu_memory.uploaded is not None else 0
+        total = dump.images_bytes + gpu_bytes
+        streamer = pages
+
+        def in_store() -> int:
+            return gpu_bytes + (streamer.bytes_streamed() if streamer is not None else 0)
+
+        with progress.uploading(ctx, total, in_store):
+            uploaded = _uploaded_streams(gpu_memory.uploaded, pages)
+        streamed = uploaded.bytes_total if uploaded is not None else 0
         try:
             pushed = store.push(
                 images,
@@ -156,7 +179,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                 parent=parent,
                 stamp=stamp,
                 spec=spec,
-                progress=ctx.progress,
+                progress=progress.push_progress(ctx, total, streamed),
                 compress=plan.compress,
                 extra={"job": ctx.job_id, "pause_seconds": round(pause, 6)},
                 uploaded_streams=uploaded,
@@ -171,6 +194,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                     freeze=freeze,
                     gpu_stamp=stamp["gpu"],
                     gpu_memory_in_store=gpu_memory.uploaded is not None,
+                    workload=plan.workload,
                 ).run()
                 raise with_message(err, f"{err}; {rescued}") from err
             raise

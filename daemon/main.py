@@ -2,7 +2,8 @@
 
 Start order: config (an error is one line and exit 2; key files must load) -> the state
 dir's lock (another daemon holds it: one line, exit 1, nothing touched) -> CRIU check (missing
-or too old: one actionable line, exit 1) -> journal recovery, staging cleanup, store
+or too old: one actionable line, exit 1) -> recovery of a dead daemon's jobs (``recovery.py``:
+a kill-mode dump's images restored, the rest of staging removed), store
 (unreachable: a warning; jobs fail with Unavailable until it is back) -> reclaim (watchers,
 policy, standby: ``daemon/reclaim/``) -> the store check's schedule (``daemon/storecheck.py``)
 -> the gRPC socket -> ``READY=1`` and the watchdog.
@@ -137,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     except GpusnapError as err:
         return _fail(f"CRIU is required: {err}", EXIT_FAILURE)
 
+    # The service's start settles what a dead daemon left (a kill-mode dump's images are
+    # restored there: daemon/recovery.py), which may outlast systemd's start timeout.
+    started = threading.Event()
+    threading.Thread(target=_extend_until, args=(started,), daemon=True).start()
     try:
         service = DaemonService(config, criu=criu, state_lock=state_lock)
     except GpusnapError as err:
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         return _fail(f"cannot start: {where}{err.strerror or err}", EXIT_FAILURE)
+    finally:
+        started.set()
 
     if not systemd_running():
         # Where PID 1 is not systemd it may reap nothing: adopt the orphans of restored trees

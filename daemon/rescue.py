@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.gpu.adapter import Freeze
+from gpusnap.daemon.host import scopes
 from gpusnap.daemon.host.criu import systemd_running
 from gpusnap.daemon.node import Node
 from gpusnap.errors import GpusnapError
@@ -36,6 +37,7 @@ class Rescue:
     # Custom storage: the device memory is in the store's (uncommitted) streams, not in the
     # images; thawing the freeze refills it from there.
     gpu_memory_in_store: bool = False
+    workload: str = ""  # names the scope the tree is restored into (``host/scopes.py``)
 
     def run(self) -> str:
         """What happened, in words. Never raises: the caller is already reporting the upload's
@@ -62,11 +64,14 @@ class Rescue:
                 images,
                 log_path=logs / f"{self.job_id}-rescue.log",
                 pidfile=logs / f"{self.job_id}-rescue.pid",
-                scope_unit=f"gpusnap-rescue-{self.job_id}",
+                scope_unit=scopes.unit_name(self.workload or "rescue", self.job_id),
+                scope_description=scopes.description(
+                    self.workload or "a workload", f"its local dump (job {self.job_id})"
+                ),
                 sibling=sibling,
             )
         except GpusnapError as err:
-            return f"restoring the workload locally failed too ({err}); {self._keep_images()}"
+            return f"restoring the workload locally failed too ({err}); {self.keep_images()}"
         if sibling:
             self.node.adopt(restored.pid)
         done = f"the workload was restored on this node from the local dump (pid {restored.pid})"
@@ -82,7 +87,7 @@ class Rescue:
             return f"{done}, but its GPU state was not restored ({err})"
         return f"{done} with its GPU state"
 
-    def _keep_images(self) -> str:
+    def keep_images(self) -> str:
         """Move the images out of staging (which is removed when the job ends); say where."""
         images, kept = self.images, self.node.dirs.kept(self.job_id)
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpusnap.daemon.gpu_memory import committed_source
-from gpusnap.daemon.host import coldstart, proctree
+from gpusnap.daemon.host import coldstart, proctree, scopes
 from gpusnap.daemon.host.criu import can_punch_holes, remove_logs, systemd_running
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
@@ -58,7 +58,7 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
         if proctree.pid_in_use(pid):
             raise FailedPrecondition(
                 f"pid {pid} of the checkpointed tree is in use here by "
-                f"{proctree.comm(pid)!r}; CRIU restores processes with their original pids: "
+                f"{proctree.holder(pid)}; CRIU restores processes with their original pids: "
                 "stop (and reap) that process first"
             )
 
@@ -87,7 +87,8 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             images,
             log_path=restore_log,
             pidfile=staging / "restore.pid",
-            scope_unit=f"gpusnap-{manifest.workload}-{ctx.job_id}",
+            scope_unit=scopes.unit_name(manifest.workload, ctx.job_id),
+            scope_description=scopes.description(manifest.workload, manifest.checkpoint_id),
             sibling=sibling,
             # Punch each page out of the staging images once restored: the restored memory
             # reuses the pages the pull just filled (warm) instead of touching fresh ones,

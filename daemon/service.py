@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gpusnap.daemon import recovery
 from gpusnap.daemon import status as status_report
 from gpusnap.daemon.checkpoint import CheckpointPlan, run_checkpoint
 from gpusnap.daemon.config import Config, WorkloadConfig
@@ -79,11 +80,6 @@ class DaemonService:
             lock_timeout_s=config.gpu.lock_timeout_s,
         )
         self.journal = Journal(dirs.state / "jobs.sqlite")
-        self.interrupted = self.journal.recover()
-        dirs.clean_staging()
-        self.executor = JobExecutor(
-            self.journal, max_jobs=config.daemon.max_jobs, on_finish=_job_finished
-        )
         self.store = StoreHandle(config)
         reaper = Reaper()
         reaper.start()
@@ -95,6 +91,12 @@ class DaemonService:
             dirs=dirs,
             host=HostFacts(criu, config.daemon.node_id),
             reaper=reaper,
+        )
+        # A dead daemon's jobs: interrupted, and what they left in staging settled (a
+        # kill-mode dump's images restored) before any new job runs (daemon/recovery.py).
+        self.interrupted = recovery.recover(self.node, self.journal)
+        self.executor = JobExecutor(
+            self.journal, max_jobs=config.daemon.max_jobs, on_finish=self._job_finished
         )
         # The background store check; its schedule is started by daemon/main.py.
         self.store_check = StoreChecker(
@@ -236,8 +238,12 @@ class DaemonService:
         check_checkpoint_id(checkpoint_id)
         manifest = self.store.get().manifest(checkpoint_id)
         data = manifest.to_dict()
-        # The chunk lists are for the store; an operator wants the files and their sizes.
-        data["files"] = [{"path": f.path, "size": f.size} for f in manifest.files]
+        # The chunk lists are for the store; an operator wants each file's size, mode and
+        # how many chunks it is.
+        data["files"] = [
+            {"path": f.path, "size": f.size, "mode": f.mode, "chunk_count": len(f.chunks)}
+            for f in manifest.files
+        ]
         data["bytes_total"] = manifest.bytes_total
         return data
 
@@ -249,7 +255,9 @@ class DaemonService:
             started_at=self.started_at,
             jobs_running=self.executor.running(),
             interrupted_at_start=[j.id for j in self.interrupted],
-            triggers=self.reclaim is not None,
+            # Attached is not watching: with provider "none" no notice can come.
+            triggers=self.reclaim is not None and self.reclaim.provider() != "none",
+            trigger_provider=self.reclaim.provider() if self.reclaim is not None else "none",
             store_check=self.store_check.status(),
         )
         return status_report.daemon_status(self.node, daemon)
@@ -262,10 +270,28 @@ class DaemonService:
     def triggers_status(self) -> dict[str, Any]:
         if self.reclaim is None:
             return {"provider": "none", "running": False}
-        return self.reclaim.status()
+        state = self.reclaim.status()
+        for w in state.get("workloads") or []:  # whether each runs, and as which pid
+            wcfg = self.config.workload(str(w.get("workload")))
+            try:
+                w["pid"] = workload_root(wcfg) if wcfg is not None else None
+            except GpusnapError:
+                w["pid"] = None
+        return state
 
     def migrations(self) -> list[dict[str, Any]]:
         return [] if self.reclaim is None else self.reclaim.migrations()
+
+    def withdraw_migration(self, checkpoint_id: str, reason: str = "") -> dict[str, Any]:
+        check_checkpoint_id(checkpoint_id)
+        if self.reclaim is None:
+            raise Unsupported("withdrawing a migration needs the reclaim runtime, not running")
+        return self.reclaim.withdraw(checkpoint_id, reason)
+
+    def _job_finished(self, job: Job) -> None:
+        _job_finished(job)
+        if self.reclaim is not None:
+            self.reclaim.on_job_finished(job)  # a migration it makes stale is superseded
 
     def drill(self, deadline_s: float | None) -> Job:
         if self.reclaim is None:

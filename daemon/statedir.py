@@ -5,9 +5,10 @@ images under ``staging`` (``[daemon] staging_dir``, default ``<state_dir>/stagin
 and cold starts' logs under ``logs``, images a failed rescue could not restore under ``kept``.
 
 One gpusnapd per state dir.
-A daemon's start cleans up after a crash — the journal marks unfinished jobs interrupted and
-their staging images are deleted. Done by a second daemon started on the same config while the
-first still runs, that cleanup would delete the first daemon's in-flight images (for a kill-mode
+A daemon's start cleans up after a crash — the journal marks unfinished jobs interrupted, what
+they left in staging is settled (``recovery.py``: a kill-mode dump's complete images restored
+or kept) and the rest deleted. Done by a second daemon started on the same config while the
+first still runs, that cleanup would take the first daemon's in-flight images (for a kill-mode
 checkpoint, the only copy of the workload). So before anything else is touched the daemon takes
 an exclusive ``flock`` on ``<state_dir>/gpusnapd.lock`` (which records its pid; and on the
 staging directory itself when staging lives elsewhere, since two daemons could share it) and
@@ -75,8 +76,9 @@ class StateDirs:
         return self.staging / f"kept-{job_id}"
 
     def clean_staging(self) -> None:
-        """At start no job runs, so every job's directory under staging is a leftover. Only
-        entries named like a job id are touched: a configured ``staging_dir`` may be shared."""
+        """At start no job runs, so every job's directory under staging is a leftover (once
+        ``recovery.recover`` has settled them). Only entries named like a job id are touched:
+        a configured ``staging_dir`` may be shared."""
         for entry in self.staging.iterdir():
             if not JOB_ID.fullmatch(entry.name):
                 continue

@@ -28,7 +28,8 @@ class DaemonFacts:
     started_at: float
     jobs_running: int
     interrupted_at_start: list[str]
-    triggers: bool  # a trigger manager is attached
+    triggers: bool  # a cloud watcher runs (a notice can come)
+    trigger_provider: str = "none"  # which: "aws", "gcp", "azure" (comma-separated), "none"
     store_check: dict[str, Any] | None = None  # daemon/storecheck.py:StoreChecker.status
 
 
@@ -143,6 +144,7 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
         "interrupted_at_start": daemon.interrupted_at_start,
         "triggers": daemon.triggers,
         "store_check": daemon.store_check,
+        "trigger_provider": daemon.trigger_provider,
     }
 
 

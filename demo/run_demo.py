@@ -8,6 +8,11 @@ restored process finish, runs the same model uninterrupted, and compares the two
 Prints IDENTICAL (exit 0) or the first difference (exit 1), with the checkpoint's size, the
 pause and the timings.
 
+It runs without a GPU, and says so: tinylm computes on the CPU (numpy) and gpusnapd's GPU
+support is off (``[gpu] driver = "none"``), so the checkpoint is CRIU's alone. The scratch
+directory (config, key, store, the daemon's and the model's logs, both token files) is removed
+at the end unless ``--keep`` or ``--workdir`` is given; the demo says where it is either way.
+
     bash scripts/demo.sh [--steps 150] [--checkpoint-after 40] [--workdir DIR] [--keep]
 """
 
@@ -33,6 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TINYLM = ROOT / "demo" / "tinylm.py"
 BIN = Path(sys.executable).parent
 HANG_GUARD = 120.0  # seconds; only against hangs, never a performance expectation
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def say(text: str) -> None:
@@ -133,7 +142,12 @@ def main() -> int:
     generate_signing_key(work / "signing.key")
     cfg = write_config(work, args.steps, args.seed)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    say(f"scratch directory: {work}")
+    kept = args.keep or args.workdir is not None
+    say(f"scratch directory: {work} ({'kept' if kept else 'removed at the end; --keep keeps it'})")
+    say(
+        "no GPU in this demo: tinylm runs on the CPU (numpy) and gpusnapd's GPU support is off "
+        '([gpu] driver = "none"); on a GPU node the same commands also take device memory'
+    )
 
     daemon_log = open(work / "gpusnapd.log", "wb")  # noqa: SIM115 - lives as long as the daemon
     daemon = subprocess.Popen(
@@ -179,7 +193,7 @@ def main() -> int:
         workload.wait(HANG_GUARD)  # the dump killed it; reap it so its pid is free again
         say(
             f"checkpoint {ck['checkpoint_id']} after {before} tokens: "
-            f"{ck['bytes_total'] / 1e6:.1f} MB ({ck['bytes_uploaded'] / 1e6:.1f} MB uploaded), "
+            f"{_mib(ck['bytes_total'])} ({_mib(ck['bytes_uploaded'])} uploaded), "
             f"pause {ck['pause_seconds'] * 1000:.0f} ms, committed in {ck['seconds']:.2f} s; "
             "tinylm is gone"
         )
@@ -211,6 +225,8 @@ def main() -> int:
             "pause_seconds": ck["pause_seconds"],
             "checkpoint_seconds": ck["seconds"],
             "restore_seconds": rs["seconds"],
+            "gpu": False,
+            "workdir": str(work) if kept else None,
         }
         if got == want:
             say(
@@ -239,7 +255,12 @@ def main() -> int:
             daemon.kill()
             daemon.wait()
         daemon_log.close()
-        if not args.keep and args.workdir is None:
+        if kept:
+            say(
+                f"files kept in {work}: gpusnapd.toml, signing.key, store/, gpusnapd.log, "
+                "run/ (tokens.txt, tinylm.log), ref/tokens.txt"
+            )
+        else:
             shutil.rmtree(work, ignore_errors=True)
 
 

@@ -125,6 +125,24 @@ def from_struct(msg: struct_pb2.Struct) -> dict[str, Any]:
     return result
 
 
+def to_json(value: Mapping[str, Any]) -> str:
+    """``value`` as JSON text: a document whose integers must stay exact (a Struct would carry
+    them as doubles)."""
+    return json.dumps(dict(value), default=str, sort_keys=True)
+
+
+def from_json(text: str) -> dict[str, Any]:
+    """The JSON object ``to_json`` made; anything else is a broken reply (``Internal``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        why = f"the daemon sent JSON that does not parse: {exc}"
+        raise error_from_kind("internal", why) from exc
+    if not isinstance(value, dict):
+        raise error_from_kind("internal", "the daemon sent JSON that is not an object")
+    return value
+
+
 # --- typed messages <-> dicts ----------------------------------------------------------------
 
 # (message, key) pairs already warned about: a status polled every second warns once.

@@ -75,6 +75,11 @@ class DaemonServiceAPI(Protocol):
 
     def migrations(self) -> Sequence[Mapping[str, Any]]: ...
 
+    def withdraw_migration(self, checkpoint_id: str, reason: str) -> Mapping[str, Any]:
+        """End a migration request no node has claimed; the migration as ``migrations``
+        shows it."""
+        ...
+
     def drill(self, deadline_s: float | None) -> JobView:
         """Rehearse a reclaim: checkpoint as if a notice had arrived now."""
         ...

@@ -97,7 +97,9 @@ class CheckpointsServicer(_Servicer, pb_grpc.CheckpointsServicer):
     @_unary("show checkpoint")
     def Show(self, request: pb.ShowCheckpointRequest) -> pb.ShowCheckpointResponse:
         manifest = self._service.show_checkpoint(request.checkpoint_id)
-        return pb.ShowCheckpointResponse(checkpoint=wire.to_struct(manifest))
+        return pb.ShowCheckpointResponse(
+            checkpoint=wire.to_struct(manifest), manifest_json=wire.to_json(manifest)
+        )
 
 
 class RestoresServicer(_Servicer, pb_grpc.RestoresServicer):
@@ -170,6 +172,13 @@ class DaemonServicer(_Servicer, pb_grpc.DaemonServicer):
     def ListMigrations(self, request: pb.ListMigrationsRequest) -> pb.ListMigrationsResponse:
         migrations = self._service.migrations()
         return pb.ListMigrationsResponse(migrations=[wire.to_struct(m) for m in migrations])
+
+    @_unary("withdraw migration")
+    def WithdrawMigration(
+        self, request: pb.WithdrawMigrationRequest
+    ) -> pb.WithdrawMigrationResponse:
+        migration = self._service.withdraw_migration(request.checkpoint_id, request.reason)
+        return pb.WithdrawMigrationResponse(migration=wire.to_struct(migration))
 
     @_unary("drill")
     def Drill(self, request: pb.DrillRequest) -> pb.Job:

@@ -16,6 +16,9 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   in — a transient systemd scope where systemd is PID 1 — instead of CRIU recreating the old
   cgroup paths behind the service manager's back.
 - ``--restore-detached``: CRIU exits once the tree runs; the tree does not depend on the caller.
+- ``--external unix[INO]`` for each journal stream of the tree (stdout/stderr of a systemd unit,
+  ``host/journalstream.py``), and at restore ``--inherit-fd fd[N]:socket:[INO]`` with a new
+  stream to journald in its place: CRIU cannot dump one half of a stream connection.
 - ``--auto-dedup`` on the restore from a pull's staging only (``daemon/restore.py``): each page
   is punched out of the images once restored, so the restored memory reuses those warm pages;
   never on a rescue from local images, which may have to be kept.
@@ -33,7 +36,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -41,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import criu_run, journalstream, proctree
 from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -58,7 +60,6 @@ MIN_VERSION = (4, 0, 0)
 WRAPPER_PATH = Path("/usr/local/sbin/criu")  # where scripts/install-criu.sh puts it on Debian 12
 OPTIONS_FILE = "gpusnap-criu.json"
 MANAGE_CGROUPS_MODES = ("ignore", "none", "props", "soft", "full", "strict")
-_KILL_GRACE_S = 5.0
 
 _VERSION_RE = re.compile(r"^Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", re.MULTILINE)
 _STAT_RE = re.compile(r"^([A-Za-z][A-Za-z ]+?):\s*(\d+)", re.MULTILINE)
@@ -205,23 +206,27 @@ class Criu:
         images.mkdir(parents=True, exist_ok=True)
         if any(images.iterdir()):
             raise FailedPrecondition(f"images directory {images} is not empty: use a fresh one")
+        streams = journalstream.of_tree(proctree.tree_pids(pid))
         options = {
             "shell_job": shell_job,
             "tcp_established": tcp_established,
             "manage_cgroups": manage_cgroups,
             "criu_version": _fmt(self.version()),
+            "journal_streams": [s.as_json() for s in streams],
         }
         argv = [str(self.path), "dump", "--tree", str(pid), "--images-dir", str(images)]
         argv += ["--log-file", str(logp), f"-v{self.log_level}", "--display-stats"]
         argv += _common_options(options)
-        argv += ["--link-remap"]
+        argv += ["--link-remap", *journalstream.dump_args(streams)]
         if leave_running:
             argv.append("--leave-running")
         argv += list(extra_args)
 
         log.info("criu dump of pid %d into %s (leave_running=%s)", pid, images, leave_running)
         start = time.monotonic()
-        stdout = self._run(argv, images.parent, logp, timeout, what=f"dump of pid {pid}", pid=pid)
+        stdout = self._run(
+            argv, images.parent, logp, timeout, kind="dump", what=f"dump of pid {pid}", pid=pid
+        )
         wall = time.monotonic() - start
         (images / OPTIONS_FILE).write_text(json.dumps(options, indent=1) + "\n")
 
@@ -242,6 +247,7 @@ class Criu:
         log_path: str | os.PathLike[str],
         pidfile: str | os.PathLike[str],
         scope_unit: str | None = None,
+        scope_description: str | None = None,
         sibling: bool = False,
         tcp_established: bool | None = None,
         timeout: float | None = None,
@@ -250,10 +256,11 @@ class Criu:
         """Restore the tree in ``images_dir`` detached; returns once it runs.
 
         Where systemd is PID 1 and ``scope_unit`` is given, criu runs inside a transient scope
-        of that name (``systemd-run --scope``), so the tree lives outside the caller's cgroup.
-        Otherwise criu runs in a new session. ``sibling=True`` makes the restored root a child
-        of the caller (``--restore-sibling``), which then must reap it — for hosts whose PID 1
-        reaps no orphans.
+        of that name (``systemd-run --scope``), so the tree lives outside the caller's cgroup;
+        ``scope_description`` is what ``systemctl status`` shows of it (systemd's default is
+        the whole command line). Otherwise criu runs in a new session. ``sibling=True`` makes
+        the restored root a child of the caller (``--restore-sibling``), which then must reap
+        it — for hosts whose PID 1 reaps no orphans.
         """
         images = Path(images_dir).absolute()
         logp = Path(log_path).absolute()
@@ -273,11 +280,24 @@ class Criu:
         argv += list(extra_args)
         if scope_unit is not None and systemd_running():
             unit = scope_unit if scope_unit.endswith(".scope") else f"{scope_unit}.scope"
-            argv = ["systemd-run", "--scope", "--quiet", "--collect", f"--unit={unit}", *argv]
+            wrap = ["systemd-run", "--scope", "--quiet", "--collect", f"--unit={unit}"]
+            if scope_description:
+                wrap.append(f"--description={scope_description}")
+            argv = [*wrap, *argv]
 
         log.info("criu restore from %s", images)
         start = time.monotonic()
-        stdout = self._run(argv, images.parent, logp, timeout, what=f"restore from {images}")
+        # New journal streams for the ones the tree had; CRIU puts each where the old one was.
+        with journalstream.Replacements(_streams_of(options)) as streams:
+            stdout = self._run(
+                [*argv, *streams.args],
+                images.parent,
+                logp,
+                timeout,
+                kind="restore",
+                what=f"restore from {images}",
+                pass_fds=streams.fds,
+            )
         wall = time.monotonic() - start
         try:
             pid = int(pidp.read_text().strip())
@@ -295,32 +315,27 @@ class Criu:
         logp: Path,
         timeout: float | None,
         *,
+        kind: str,
         what: str,
         pid: int | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> str:
-        """Run criu in a new session; stdout/stderr go to files (never pipes a restored tree
-        could inherit). Returns stdout; raises our error kinds on failure."""
+        """Run criu (``criu_run``: a dump dies with the daemon, a restore finishes). Returns
+        its stdout; raises our error kinds on failure."""
         logp.parent.mkdir(parents=True, exist_ok=True)
-        out_path = _stdout_path(logp)
-        with open(out_path, "w+b") as out, open(os.devnull, "rb") as devnull:
-            proc = subprocess.Popen(
-                argv,
-                stdin=devnull,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-                start_new_session=True,
-                close_fds=True,
+        rc, stdout = criu_run.run(
+            argv,
+            workdir,
+            _stdout_path(logp),
+            timeout,
+            what=kind,
+            die_with_daemon=kind == "dump",
+            pass_fds=pass_fds,
+        )
+        if rc is None:
+            raise DeadlineExceeded(
+                f"criu {what} did not finish within {timeout:g}s and was stopped: see {logp}"
             )
-            try:
-                rc = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _stop(proc)
-                raise DeadlineExceeded(
-                    f"criu {what} did not finish within {timeout:g}s and was stopped: see {logp}"
-                ) from None
-            out.seek(0)
-            stdout = out.read().decode(errors="replace")
         if rc != 0:
             raise classify_failure(what, _read_log(logp), logp, pid=pid)
         return stdout
@@ -349,8 +364,8 @@ def classify_failure(what: str, log_text: str, logp: Path, *, pid: int | None) -
     taken = _PID_TAKEN_RE.search(line)
     if taken:
         return FailedPrecondition(
-            f"criu {what}: pid {taken[1]} of the checkpoint is in use on this node (a running"
-            f" process or an unreaped zombie): free it and retry (log: {logp})"
+            f"criu {what}: pid {taken[1]} of the checkpoint is in use on this node by "
+            f"{proctree.holder(int(taken[1]))}: free it and retry (log: {logp})"
         )
     return Internal(f"criu {what} failed: {line} (log: {logp})")
 
@@ -395,11 +410,18 @@ def _common_options(options: dict[str, object]) -> list[str]:
     return argv
 
 
+def _streams_of(options: dict[str, object]) -> list[journalstream.JournalStream]:
+    streams = options.get("journal_streams", [])
+    assert isinstance(streams, list)
+    return [s for s in streams if isinstance(s, journalstream.JournalStream)]
+
+
 def _read_options(images: Path) -> dict[str, object]:
     defaults: dict[str, object] = {
         "shell_job": False,
         "tcp_established": False,
         "manage_cgroups": "ignore",
+        "journal_streams": [],
     }
     path = images / OPTIONS_FILE
     if not path.exists():
@@ -414,7 +436,15 @@ def _read_options(images: Path) -> dict[str, object]:
     cg = loaded.get("manage_cgroups", "ignore")
     if not isinstance(shell, bool) or not isinstance(tcp, bool) or cg not in MANAGE_CGROUPS_MODES:
         raise InvalidArgument(f"bad options in {path}: {loaded}")
-    return {"shell_job": shell, "tcp_established": tcp, "manage_cgroups": cg}
+    streams = loaded.get("journal_streams", [])
+    if not isinstance(streams, list):
+        raise InvalidArgument(f"bad journal_streams in {path}: {streams!r}")
+    return {
+        "shell_job": shell,
+        "tcp_established": tcp,
+        "manage_cgroups": cg,
+        "journal_streams": [journalstream.JournalStream.from_json(e, path) for e in streams],
+    }
 
 
 def _read_log(logp: Path) -> str:
@@ -422,20 +452,6 @@ def _read_log(logp: Path) -> str:
         return logp.read_text(errors="replace")
     except OSError:
         return ""
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    # SIGINT lets criu unwind (thaw or detach from the tree); SIGKILL only if it will not.
-    for sig, grace in ((signal.SIGINT, _KILL_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(grace)
-            break
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _fmt(ver: tuple[int, int, int]) -> str:

@@ -94,6 +94,10 @@ class PageStreamer:
             return None
         return self._result
 
+    def bytes_streamed(self) -> int:
+        """Bytes of the page images already in the store (each counted once uploaded whole)."""
+        return self._result.bytes_total
+
     def abort(self) -> None:
         """CRIU failed: stop (chunks already uploaded are left to gc)."""
         self._abort.set()

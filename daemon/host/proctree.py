@@ -7,6 +7,7 @@ to record.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -55,6 +56,60 @@ def exists(pid: int) -> bool:
 def pid_in_use(pid: int) -> bool:
     """True while any process holds ``pid``, a zombie included (CRIU cannot restore onto it)."""
     return (PROC / str(pid)).exists()
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot): with the pid, a process's identity (a
+    pid is reused, a pid and its start time are not, within one boot); None when gone."""
+    try:
+        return int(_stat_fields(pid)[19])
+    except (NotFound, FailedPrecondition, IndexError, ValueError):
+        return None
+
+
+def ppid(pid: int) -> int | None:
+    """The parent of ``pid``; None when gone."""
+    try:
+        return int(_stat_fields(pid)[1])
+    except (NotFound, FailedPrecondition, IndexError, ValueError):
+        return None
+
+
+def memory_to_dump(pid: int) -> int:
+    """Bytes of ``pid``'s memory a dump writes: its anonymous and shared pages (RssAnon and
+    RssShmem); file-backed pages are read back from their files. 0 when gone."""
+    try:
+        status = _status(pid)
+    except (NotFound, FailedPrecondition):
+        return 0
+    kib = 0
+    for key in ("RssAnon", "RssShmem"):
+        with contextlib.suppress(KeyError, ValueError, IndexError):
+            kib += int(status[key].split()[0])
+    return kib * 1024
+
+
+def holder(pid: int) -> str:
+    """Who holds ``pid``, for a message: ``'python3'``, or, for a process that has exited but
+    whose parent has not collected it, ``a zombie (not yet reaped by its parent, pid N
+    'name')``."""
+    try:
+        state = _stat_fields(pid)[0]
+    except (NotFound, FailedPrecondition, IndexError):
+        return "a process that has just exited"
+    if state not in ("Z", "X"):
+        return repr(comm(pid))
+    parent = ppid(pid)
+    who = f", pid {parent} {comm(parent)!r}" if parent else ""
+    return f"a zombie (not yet reaped by its parent{who})"
+
+
+def boot_id() -> str:
+    """This boot's id: start times compare only within one boot."""
+    try:
+        return (PROC / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def is_kernel_thread(pid: int) -> bool:

@@ -1,6 +1,7 @@
 """Which process tree a checkpoint takes, and the trees no checkpoint can capture.
 
-A configured workload is found by its ``pid_file``, ``systemd_unit`` or ``match``; a ``--pid``
+A configured workload is found by its ``pid_file``, ``systemd_unit`` or ``match`` (a unit's
+tree that a restore moved into ``gpusnap-<workload>-<job>.scope`` is found there); a ``--pid``
 names its root itself. Either way init and kernel threads are refused with the reason, and the
 daemon never finds itself.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 
 from gpusnap.daemon.config import WorkloadConfig
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import proctree, scopes
 from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
@@ -21,11 +22,18 @@ def workload_root(w: WorkloadConfig) -> int:
             f"workload {w.name} has no pid_file, systemd_unit or match in the config; "
             "checkpoint it with --pid"
         )
-    pids = proctree.find_pids(
-        pid_file=str(w.pid_file) if w.pid_file else None,
-        systemd_unit=w.systemd_unit,
-        match=w.match,
-    )
+    try:
+        pids = proctree.find_pids(
+            pid_file=str(w.pid_file) if w.pid_file else None,
+            systemd_unit=w.systemd_unit,
+            match=w.match,
+        )
+    except NotFound:
+        # A restore moved a unit's tree into a scope of its own: it is the workload still.
+        restored = scopes.restored_root(w.name) if w.systemd_unit else None
+        if restored is None:
+            raise
+        pids = proctree.tree_pids(restored)
     pids = [p for p in pids if p != os.getpid()]
     if not pids:
         raise NotFound(f"workload {w.name} is not running (no process found)")

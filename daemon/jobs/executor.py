@@ -44,6 +44,10 @@ class JobContext:
         # upload would lose the workload); cancel requests are then refused.
         self.cancellable = True
         self._phase_started = time.monotonic()
+        # The phase's first report: its rate counts the bytes moved since (an upload that
+        # starts with most of the checkpoint already in the store is not that fast).
+        self._baseline: tuple[float, int] | None = None
+        self.last_progress: tuple[int, int] | None = None  # the last report with a total
         self._last_save = 0.0
         self._last_notify = 0.0
 
@@ -76,6 +80,7 @@ class JobContext:
     def phase(self, phase: Phase) -> None:
         self.check_cancelled()
         self._phase_started = time.monotonic()
+        self._baseline = None
 
         def apply(j: Job) -> None:
             j.phase = phase
@@ -89,7 +94,12 @@ class JobContext:
         """Progress callback for the store; raises ``Cancelled`` to stop a cancellable job."""
         self.check_cancelled()
         now = time.monotonic()
-        elapsed = max(1e-6, now - self._phase_started)
+        if self._baseline is None:
+            self._baseline = (now, bytes_done)
+        since, base = self._baseline
+        rate = (bytes_done - base) / (now - since) if now > since else 0.0
+        if bytes_total > 0:
+            self.last_progress = (bytes_done, bytes_total)
         done = bytes_done >= bytes_total
         save = done or now - self._last_save >= PROGRESS_SAVE_INTERVAL
         notify = save or now - self._last_notify >= PROGRESS_NOTIFY_INTERVAL
@@ -101,7 +111,7 @@ class JobContext:
         def apply(j: Job) -> None:
             j.progress.bytes_done = bytes_done
             j.progress.bytes_total = bytes_total
-            j.progress.rate_bytes_per_s = bytes_done / elapsed
+            j.progress.rate_bytes_per_s = max(0.0, rate)
 
         # Between notifications the figures are still updated (a get sees them), quietly.
         self._executor._update(self._job, apply, persist=save, notify=notify)
@@ -219,7 +229,7 @@ class JobExecutor:
                 log.exception("job %s: internal error", job.id)
                 self._finish(job, JobState.FAILED, exc)
             else:
-                self._finish(job, JobState.SUCCEEDED, None)
+                self._finish(job, JobState.SUCCEEDED, None, ctx)
             finally:
                 with self._cond:
                     if exclusive is not None and self._exclusive.get(exclusive) == job.id:
@@ -229,12 +239,24 @@ class JobExecutor:
                 self._slots.release()
                 self._cond.notify_all()  # a queued job waits for this slot
 
-    def _finish(self, job: Job, state: JobState, err: BaseException | None) -> None:
+    def _finish(
+        self,
+        job: Job,
+        state: JobState,
+        err: BaseException | None,
+        ctx: JobContext | None = None,
+    ) -> None:
+        moved = ctx.last_progress if ctx is not None else None
+
         def apply(j: Job) -> None:
             j.state = state
             j.finished_at = time.time()
             if state is JobState.SUCCEEDED:
                 j.phase = Phase.DONE
+                if moved is not None and j.progress.bytes_total == 0:
+                    # A last phase without bytes (commit) must not leave "0 of 0": the job
+                    # shows what its last phase with bytes did, done.
+                    j.progress.bytes_done = j.progress.bytes_total = moved[1]
             if err is not None:
                 if isinstance(err, GpusnapError):
                     j.error, j.error_kind = str(err), err.kind

@@ -33,15 +33,27 @@ Standby nodes read the board in ``reclaim/standby.py``.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import time
-import types
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, ClassVar, Literal, Protocol, TypeVar, Union, get_args, get_origin
-from typing import get_type_hints as _hints
+from dataclasses import asdict, replace
+from typing import Any, Protocol, TypeVar
 
+from gpusnap.daemon.reclaim.board_records import (
+    RECORD_VERSION,
+    SUPERSEDED,
+    WITHDRAWN,
+    ClaimMode,
+    MigrationClaim,
+    MigrationOutcome,
+    MigrationRequest,
+    MigrationStatus,
+    OutcomeState,
+    Record,
+    check_record,
+    claim_key,
+    claim_numbers,
+)
 from gpusnap.errors import (
     AlreadyExists,
     Corrupt,
@@ -57,10 +69,20 @@ from gpusnap.storage.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
-ClaimMode = Literal["restore", "cold-start"]
-OutcomeState = Literal["succeeded", "failed"]
-
+_R = TypeVar("_R", bound=Record)
+__all__ = [  # the records' names, for the board's users
+    "SUPERSEDED",
+    "WITHDRAWN",
+    "BoardRecords",
+    "ClaimMode",
+    "MigrationBoard",
+    "MigrationClaim",
+    "MigrationOutcome",
+    "MigrationRequest",
+    "MigrationStatus",
+    "OutcomeState",
+    "StoreRecords",
+]
 
 # --- the seam to the store ----------------------------------------------------------------------
 
@@ -117,116 +139,6 @@ class StoreRecords:
         self._records().delete(name)
 
 
-# --- records ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Record:
-    KIND: ClassVar[str]  # "request" | "claim" | "outcome": the record's format name
-    checkpoint_id: str  # every record is about one checkpoint: the one of its folder
-
-
-@dataclass(frozen=True)
-class MigrationRequest(_Record):
-    KIND = "request"
-    workload: str
-    source_node: str
-    created_at: float
-    deadline: float | None = None
-    stamp_summary: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class MigrationClaim(_Record):
-    KIND = "claim"
-    node_id: str
-    mode: ClaimMode
-    attempt: int
-    claimed_at: float
-    reason: str = ""
-    nonce: str = ""
-
-
-@dataclass(frozen=True)
-class MigrationOutcome(_Record):
-    KIND = "outcome"
-    node_id: str
-    state: OutcomeState
-    mode: str  # "restored" | "cold-start" | "" when it failed before knowing
-    attempt: int
-    finished_at: float
-    detail: str = ""
-    job_id: str = ""
-
-
-_R = TypeVar("_R", bound=_Record)
-
-
-@dataclass(frozen=True)
-class MigrationStatus:
-    request: MigrationRequest
-    claim: MigrationClaim | None
-    outcome: MigrationOutcome | None
-    stale_claim: bool = False
-
-    @property
-    def status(self) -> str:
-        if self.outcome is not None:
-            return "restored" if self.outcome.state == "succeeded" else "failed"
-        if self.claim is not None and not self.stale_claim:
-            return "claimed"
-        return "pending"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint_id": self.request.checkpoint_id,
-            "status": self.status,
-            "request": asdict(self.request),
-            "claim": asdict(self.claim) if self.claim else None,
-            "stale_claim": self.stale_claim,
-            "outcome": asdict(self.outcome) if self.outcome else None,
-        }
-
-
-def _claim_key(checkpoint_id: str, attempt: int) -> str:
-    return f"{checkpoint_id}/claim-{attempt:04d}"
-
-
-# At most 18 digits: an attempt number always fits, and a planted name cannot make one huge.
-_CLAIM_NAME = re.compile(r"claim-([0-9]{1,18})")
-
-
-def _json_types(hint: object) -> tuple[type, ...]:
-    """The JSON value types a record field annotated ``hint`` may hold (a number may be
-    written as an int)."""
-    origin = get_origin(hint)
-    if origin is Literal:
-        return (str,)
-    if origin in (Union, types.UnionType):
-        return tuple(t for arg in get_args(hint) for t in _json_types(arg))
-    if hint is float:
-        return (int, float)
-    return (origin or hint,)  # type: ignore[return-value]
-
-
-def _check_record(key: str, doc: dict[str, Any], folder: str, cls: type[_Record]) -> None:
-    """``Corrupt`` unless ``doc`` has the fields of a ``cls`` record (those without a default
-    at least), each of its annotated type and value, and names the checkpoint of ``folder``."""
-    hints = _hints(cls)
-    for f in fields(cls):
-        if f.name not in doc:
-            if f.default is MISSING:
-                raise Corrupt(f"migration record {key} lacks {f.name!r}")
-            continue
-        value, allowed = doc[f.name], _json_types(hints[f.name])
-        if isinstance(value, bool) or not isinstance(value, allowed):
-            raise Corrupt(f"migration record {key}: {f.name!r} is not a {allowed[0].__name__}")
-        if get_origin(hints[f.name]) is Literal and value not in get_args(hints[f.name]):
-            raise Corrupt(f"migration record {key}: unknown {f.name} {value!r}")
-    if doc["checkpoint_id"] != folder:
-        raise Corrupt(f"migration record {key} names checkpoint {doc['checkpoint_id']!r}")
-
-
 class MigrationBoard:
     """Migration requests, claims and outcomes in the store."""
 
@@ -235,15 +147,17 @@ class MigrationBoard:
         records: BoardRecords,
         *,
         claim_timeout_s: float = 1800.0,
+        request_ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.records = records
         self.claim_timeout_s = claim_timeout_s
+        self.request_ttl_s = request_ttl_s
         self._clock = clock
 
     # --- sealed JSON records ------------------------------------------------------------------
 
-    def _write(self, key: str, record: _Record) -> None:
+    def _write(self, key: str, record: Record) -> None:
         fmt = f"gpusnap.migration.{record.KIND}/{RECORD_VERSION}"
         self.records.create(key, {"format": fmt, **asdict(record)})
 
@@ -254,7 +168,7 @@ class MigrationBoard:
         where = self.records.key(key)
         if doc.pop("format", None) != f"gpusnap.migration.{cls.KIND}/{RECORD_VERSION}":
             raise Corrupt(f"migration record {where} is not a {cls.KIND} record")
-        _check_record(where, doc, key.partition("/")[0], cls)
+        check_record(where, doc, key.partition("/")[0], cls)
         try:
             return cls(**doc)
         except TypeError as exc:
@@ -321,8 +235,8 @@ class MigrationBoard:
         the request itself does not hold; invalid claims and outcomes are ignored (logged)."""
         req = self._read_as(f"{cid}/request", MigrationRequest)
         claim: MigrationClaim | None = None
-        for attempt in sorted(_claim_numbers(names), reverse=True):
-            key = _claim_key(cid, attempt)
+        for attempt in sorted(claim_numbers(names), reverse=True):
+            key = claim_key(cid, attempt)
             found = self._valid(key, MigrationClaim)
             if found is not None and found.attempt != attempt:
                 log.warning("ignoring migration record %s: it says attempt %d", key, found.attempt)
@@ -333,12 +247,14 @@ class MigrationBoard:
         outcome: MigrationOutcome | None = None
         if "outcome" in names:
             outcome = self._valid(f"{cid}/outcome", MigrationOutcome)
+        now = self._clock()
         stale = (
-            outcome is None
-            and claim is not None
-            and self._clock() - claim.claimed_at > self.claim_timeout_s
+            outcome is None and claim is not None and now - claim.claimed_at > self.claim_timeout_s
         )
-        return MigrationStatus(req, claim, outcome, stale)
+        expires = None if self.request_ttl_s is None else req.created_at + self.request_ttl_s
+        return MigrationStatus(
+            req, claim, outcome, stale, expires, expires is not None and now > expires
+        )
 
     def _valid(self, key: str, cls: type[_R]) -> _R | None:
         """The record at ``key`` if it holds, else ``None`` (logged: someone without the key
@@ -353,15 +269,25 @@ class MigrationBoard:
 
     def get(self, checkpoint_id: str) -> MigrationStatus:
         check_checkpoint_id(checkpoint_id)
-        names = self._folders().get(checkpoint_id)
+        folders = self._folders()
+        names = folders.get(checkpoint_id)
         if not names or "request" not in names:
             raise NotFound(f"no migration request for checkpoint {checkpoint_id}")
-        return self._status(checkpoint_id, names)
+        st = self._status(checkpoint_id, names)  # Corrupt when its request does not hold
+        if st.status != "pending":
+            return st
+        return self._superseded(st, self._statuses(folders))
 
     def statuses(self) -> list[MigrationStatus]:
-        """Every migration whose request holds; one that fails its check is skipped."""
+        """Every migration whose request holds; one that fails its check is skipped. Of a
+        workload's requests, only the newest is ever pending: an older one is superseded
+        (its workload was checkpointed again after it, so it ran somewhere since)."""
+        out = self._statuses(self._folders())
+        return [self._superseded(st, out) for st in out]
+
+    def _statuses(self, folders: dict[str, set[str]]) -> list[MigrationStatus]:
         out: list[MigrationStatus] = []
-        for cid, names in sorted(self._folders().items()):
+        for cid, names in sorted(folders.items()):
             if "request" not in names:
                 continue
             try:
@@ -371,21 +297,94 @@ class MigrationBoard:
                 log.warning("skipping migration %s: %s", cid, exc)
         return out
 
+    @staticmethod
+    def _superseded(st: MigrationStatus, every: list[MigrationStatus]) -> MigrationStatus:
+        newer = [
+            o.request
+            for o in every
+            if o.request.workload == st.request.workload
+            and o.request.created_at > st.request.created_at
+        ]
+        if not newer:
+            return st
+        return replace(st, superseded_by=max(newer, key=lambda r: r.created_at).checkpoint_id)
+
     def pending(self) -> list[MigrationRequest]:
-        """Requests nobody has (live) claimed and that have no valid outcome, oldest first."""
+        """Requests nobody has (live) claimed, with no valid outcome, not expired and not
+        superseded, oldest first."""
         out = [st.request for st in self.statuses() if st.status == "pending"]
         return sorted(out, key=lambda r: r.created_at)
+
+    def withdraw(self, checkpoint_id: str, node_id: str, reason: str = "") -> MigrationStatus:
+        """End a request no node has taken (pending or expired): no standby acts on it after.
+        ``FailedPrecondition`` once a node has claimed it (or it ended)."""
+        names = self._folders().get(checkpoint_id, set())  # before the status: see claim()
+        st = self.get(checkpoint_id)
+        if st.status not in ("pending", "expired", SUPERSEDED):
+            who = f" by {st.claim.node_id}" if st.claim is not None else ""
+            raise FailedPrecondition(
+                f"the migration of {checkpoint_id} is {st.status}{who}: only a request no "
+                "node has claimed can be withdrawn"
+            )
+        why = reason or f"withdrawn by {node_id}"
+        if self._end(st, names, node_id, WITHDRAWN, why) is None:
+            raise FailedPrecondition(
+                f"{checkpoint_id} was claimed by another node just now: see `gpusnap migrations`"
+            )
+        return self.get(checkpoint_id)
+
+    def supersede(
+        self, workload: str, node_id: str, reason: str, *, keep: str | None = None
+    ) -> list[str]:
+        """End every pending request of ``workload`` (but ``keep``'s): something newer of it
+        happened (a checkpoint, a restore), and adopting one would start a stale copy.
+        Returns the checkpoint ids it ended; a store that refuses is logged, not raised."""
+        ended: list[str] = []
+        try:
+            folders = self._folders()  # before the statuses: see claim()
+            statuses = self.statuses()
+        except GpusnapError as exc:
+            log.warning("pending migrations of %s not superseded: %s", workload, exc)
+            return ended
+        for st in statuses:
+            cid = st.request.checkpoint_id
+            if st.request.workload != workload or cid == keep or st.status != "pending":
+                continue
+            try:
+                if self._end(st, folders.get(cid, set()), node_id, SUPERSEDED, reason):
+                    log.warning("migration of %s superseded: %s", cid, reason)
+                    ended.append(cid)
+            except GpusnapError as exc:
+                log.warning("migration of %s not superseded: %s", cid, exc)
+        return ended
+
+    def _end(
+        self, st: MigrationStatus, names: set[str], node_id: str, mode: str, detail: str
+    ) -> MigrationOutcome | None:
+        """A withdraw claim and its outcome; ``None`` when another node's claim won."""
+        claim = self._claim(st.request.checkpoint_id, names, node_id, "withdraw", detail)
+        if claim is None:
+            return None
+        return self.record_outcome(claim, succeeded=False, mode=mode, detail=detail)
 
     def claim(
         self, checkpoint_id: str, node_id: str, mode: ClaimMode, *, reason: str = ""
     ) -> MigrationClaim | None:
         """Claim a pending request; ``None`` when another node holds it or won the race."""
+        if mode == "withdraw":
+            raise InvalidArgument("a request is withdrawn with withdraw(), not claimed")
+        # The names first, then the status: a claim that lands between the two makes ours
+        # collide with it on the same attempt number, and exactly one of them wins.
         names = self._folders().get(checkpoint_id, set())
-        st = self.get(checkpoint_id)
-        if st.status != "pending":
+        if self.get(checkpoint_id).status != "pending":
             return None
+        return self._claim(checkpoint_id, names, node_id, mode, reason)
+
+    def _claim(
+        self, checkpoint_id: str, names: set[str], node_id: str, mode: ClaimMode, reason: str
+    ) -> MigrationClaim | None:
         # After every claim name present, valid or not: a planted claim-N cannot block us.
-        taken = _claim_numbers(names)
+        taken = claim_numbers(names)
         attempt = max(taken) + 1 if taken else 0
         claim = MigrationClaim(
             checkpoint_id,
@@ -396,7 +395,7 @@ class MigrationBoard:
             reason,
             secrets.token_hex(8),
         )
-        key = _claim_key(checkpoint_id, attempt)
+        key = claim_key(checkpoint_id, attempt)
         try:
             self._write(key, claim)
         except AlreadyExists:
@@ -442,8 +441,3 @@ class MigrationBoard:
         raise AlreadyExists(
             f"migration record {self.records.key(key)} was already written by {held.node_id}"
         )
-
-
-def _claim_numbers(names: set[str]) -> list[int]:
-    """The attempt numbers of the ``claim-N`` names in a folder (valid records or not)."""
-    return [int(m.group(1)) for n in names if (m := _CLAIM_NAME.fullmatch(n))]

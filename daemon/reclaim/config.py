@@ -28,6 +28,7 @@ standby = false                           # adopt reclaimed workloads from the s
 poll_interval = 5.0                       # seconds between looks at the board
 cold_start_after = 120.0                  # an incompatible node claims a request this old
 claim_timeout = 1800.0                    # a claim without outcome this old is taken over
+request_ttl = 3600.0                      # a request nobody claimed this old is not acted on
 node_id = ""                              # empty: [daemon] node_id, else the host name
 ```
 """
@@ -76,6 +77,9 @@ class MigrationConfig:
     poll_interval: float = 5.0  # seconds between looks at the board
     cold_start_after: float = 120.0  # an incompatible node claims a request this old
     claim_timeout: float = 1800.0  # a claim without outcome this old is taken over
+    # A request nobody claimed this old (seconds) is expired: no standby acts on it, so one
+    # added later never starts a stale copy of a workload that has run on elsewhere since.
+    request_ttl: float = 3600.0
     node_id: str = ""  # empty: the daemon's node id, else the host name
 
 

@@ -2,7 +2,8 @@
 
 The daemon builds it from itself (as a ``NodeDaemon``, ``reclaim/node.py``, which
 ``DaemonService`` satisfies as it is) and its typed config, calls ``start()``, holds it, and
-calls ``status``, ``migrations``, ``drill`` and, at stop, ``stop``.
+calls ``status``, ``migrations``, ``withdraw``, ``drill``, ``on_job_finished`` (as each job
+ends) and, at stop, ``stop``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpusnap.daemon import sdnotify
-from gpusnap.daemon.jobs.job import Job
+from gpusnap.daemon.jobs.job import Job, JobKind, JobState
 from gpusnap.daemon.reclaim.board import (
     MigrationBoard,
     MigrationClaim,
@@ -77,7 +78,9 @@ class ReclaimRuntime:
         # Each look at the board finds the store again: ``Unavailable`` while it is not
         # reachable (at start too), and the board there again once it is.
         self.board = MigrationBoard(
-            StoreRecords(node.store.get), claim_timeout_s=migration.claim_timeout
+            StoreRecords(node.store.get),
+            claim_timeout_s=migration.claim_timeout,
+            request_ttl_s=migration.request_ttl,
         )
 
     def _publish(self, notice: Notice, job: Job) -> None:
@@ -124,9 +127,33 @@ class ReclaimRuntime:
                 self._restore,
                 cold_start_after_s=self.mcfg.cold_start_after,
                 poll_interval_s=self.mcfg.poll_interval,
+                latest=self._latest,
             )
             self.standby.start()
             log.info("migration standby on as node %s", self.node_id)
+
+    def _latest(self, workload: str) -> str | None:
+        summary = self._node.store.get().latest(workload)
+        return summary.checkpoint_id if summary is not None else None
+
+    def on_job_finished(self, job: Job) -> None:
+        """A checkpoint committed or a restore done here supersedes the pending migration
+        requests of its workload: it runs (or ran) on after them, and a standby adopting one
+        would start a stale copy. The daemon calls this as each job ends."""
+        if job.state is not JobState.SUCCEEDED or not job.workload:
+            return
+        cid = job.result.get("checkpoint_id")
+        if job.kind is JobKind.CHECKPOINT and isinstance(cid, str):
+            why = f"checkpoint {cid} of {job.workload} (job {job.id} on {self.node_id}) is newer"
+            self.board.supersede(job.workload, self.node_id, why, keep=cid)
+        elif job.kind is JobKind.RESTORE:
+            how = "cold-started" if job.result.get("mode") == "cold-start" else "restored"
+            why = f"{job.workload} was {how} on {self.node_id} by job {job.id}"
+            self.board.supersede(job.workload, self.node_id, why)
+
+    def withdraw(self, checkpoint_id: str, reason: str = "") -> dict[str, Any]:
+        """``gpusnap migrations withdraw ID``: no standby adopts that request after this."""
+        return self.board.withdraw(checkpoint_id, self.node_id, reason).to_dict()
 
     def _restore(self, req: MigrationRequest, claim: MigrationClaim) -> Job:
         job = self._node.restore(checkpoint_id=req.checkpoint_id)
@@ -156,7 +183,7 @@ class ReclaimRuntime:
         out.update(
             {
                 "running": True,
-                "provider": self._provider(),
+                "provider": self.provider(),
                 "node_id": self.node_id,
                 "workloads": self.engine.state(),
                 "logind": {
@@ -170,12 +197,15 @@ class ReclaimRuntime:
                     # is not, and ``last_error`` says why.
                     "running": self.standby is not None and self.standby.has_looked,
                     "last_error": self.standby.last_error if self.standby else None,
+                    "looks": self.standby.looks if self.standby else 0,
+                    "request_ttl_s": self.mcfg.request_ttl,
                 },
             }
         )
         return out
 
-    def _provider(self) -> str:
+    def provider(self) -> str:
+        """The clouds whose notices are watched ("aws", "gcp,azure"), or "none"."""
         providers = {w.provider for w in self.manager.watchers}
         return ",".join(sorted(providers)) or "none"
 

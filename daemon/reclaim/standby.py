@@ -1,11 +1,13 @@
 """The standby loop: a standby node adopts reclaimed workloads from the migration board.
 
 Every ``poll_interval_s`` it looks at the board's pending requests (no outcome, no live claim,
-not this node's own). A node whose stamp matches claims at once and restores; a node that does
-not match waits until the request is ``cold_start_after_s`` old, then claims it to cold-start
-the workload and records why. Each claim ends in an outcome on the board; one the store
-refuses is kept and retried, since a claim left without its outcome would be taken over after
-the claim timeout and the workload started a second time.
+not expired, not superseded, not this node's own); one whose workload has a newer checkpoint
+in the store is superseded on the board instead of adopted. A node whose stamp matches claims
+at once and restores; a node that does not match waits until the request is
+``cold_start_after_s`` old, then claims it to cold-start the workload and records why. Each
+claim ends in an outcome on the board; one the store refuses is kept and retried, since a
+claim left without its outcome would be taken over after the claim timeout and the workload
+started a second time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 CompatCheck = Callable[[str], CompatVerdict]
 RestoreRun = Callable[[MigrationRequest, MigrationClaim], Job]  # blocks until the job ends
+LatestCheckpoint = Callable[[str], str | None]  # a workload's newest checkpoint in the store
 
 
 class StandbyLoop:
@@ -45,12 +48,14 @@ class StandbyLoop:
         *,
         cold_start_after_s: float = 120.0,
         poll_interval_s: float = 5.0,
+        latest: LatestCheckpoint | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.board = board
         self.node_id = node_id
         self._compat = compat
         self._restore = restore
+        self._latest = latest
         self.cold_start_after_s = cold_start_after_s
         self.poll_interval_s = poll_interval_s
         self._clock = clock
@@ -58,6 +63,7 @@ class StandbyLoop:
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
         self.has_looked = False  # a look at the board has succeeded (the store answered)
+        self.looks = 0  # looks at the board finished, every pending request considered
         # Outcomes of restores this node ran that the store has not taken yet (unreachable
         # when the job ended): retried first at every tick. Until one lands the claim stays
         # live, and a claim left without its outcome would be taken over after the claim
@@ -107,10 +113,33 @@ class StandbyLoop:
                 break
             if req.source_node == self.node_id:
                 continue  # the node going away does not adopt its own workload
+            if self._superseded(req):
+                continue
             outcome = self._consider(req)
             if outcome is not None:
                 done.append(outcome)
+        self.looks += 1
         return done
+
+    def _superseded(self, req: MigrationRequest) -> bool:
+        """A newer checkpoint of the workload is in the store: it ran on somewhere after the
+        request, so adopting the request would start a stale copy. Ended on the board."""
+        if self._latest is None:
+            return False
+        try:
+            latest = self._latest(req.workload)
+        except GpusnapError as exc:
+            log.warning("%s: cannot ask for newer checkpoints: %s", req.checkpoint_id, exc)
+            return True  # not now: the next look asks again
+        if latest is None or latest == req.checkpoint_id:
+            return False
+        self.board.supersede(
+            req.workload,
+            self.node_id,
+            f"checkpoint {latest} of {req.workload} is newer",
+            keep=latest,
+        )
+        return True
 
     def _consider(self, req: MigrationRequest) -> MigrationOutcome | None:
         try:

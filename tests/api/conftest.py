@@ -276,6 +276,7 @@ class FakeService:
                 "error_at": None,
                 "full_next": {"llm": "its latest checkpoint ckpt-1 names 1 chunk(s) ..."},
             },
+            "trigger_provider": "none",
         }
 
     def triggers_status(self) -> dict[str, Any]:
@@ -283,6 +284,12 @@ class FakeService:
 
     def migrations(self) -> list[dict[str, Any]]:
         return [{"id": "mig-1", "from": "node-a", "to": "node-b"}]
+
+    def withdraw_migration(self, checkpoint_id: str, reason: str) -> dict[str, Any]:
+        self.calls.append(
+            ("withdraw_migration", {"checkpoint_id": checkpoint_id, "reason": reason})
+        )
+        return {"checkpoint_id": checkpoint_id, "status": "withdrawn"}
 
     def drill(self, deadline_s: float | None) -> Job:
         self.calls.append(("drill", {"deadline_s": deadline_s}))

@@ -155,10 +155,12 @@ def test_gc_accepts_documented_durations(cli: Cli, grace: str) -> None:
         ["no-such-command"],
     ],
 )
-def test_usage_errors_exit_2_with_usage_and_no_traceback(cli: Cli, argv: list[str]) -> None:
+def test_usage_errors_exit_2_in_one_line_that_says_where_help_is(cli: Cli, argv: list[str]) -> None:
     result = cli(*argv)
     assert result.rc == 2, str(result)
-    assert "usage:" in result.err
+    (line,) = result.err.splitlines()
+    assert line.startswith("gpusnap: error: ") and line.endswith(" --help`)"), line
+    assert "Traceback" not in result.err and result.out == ""
 
 
 def test_unknown_checkpoint_exits_3(cli: Cli, tmp_path: Path) -> None:
@@ -287,12 +289,16 @@ def test_push_and_pull_show_a_progress_bar_on_a_terminal_only(cli: Cli, tmp_path
         [*GPUSNAP, "store", "push", str(image), "--workload", "w"], cli.environ()
     )
     assert rc == 0, terminal
-    assert "push [" in terminal
+    assert "store push" in terminal and "[" in terminal
     assert "100.0%" in terminal
-    assert "MB/s" in terminal and "ETA" in terminal
+    assert "MiB/s" in terminal and "ETA" in terminal
+    assert "MB/s" not in terminal  # one unit system: binary sizes and rates
 
     piped = cli.ok("store", "push", str(image), "--workload", "w")
     assert "\r" not in piped.err and "%" not in piped.err
+    # The summary still goes to stderr when piped (stdout is the id, for scripts).
+    assert piped.err.startswith("pushed 24.3 MiB in 14 chunks; uploaded "), piped.err
+    assert piped.out.strip() and "\n" not in piped.out.strip()
     rc, terminal = _run_on_pty(
         [*GPUSNAP, "store", "pull", piped.out.strip(), str(tmp_path / "d"), "--json"],
         cli.environ(),

@@ -58,7 +58,9 @@ def test_daemon_killed_mid_upload_comes_back_with_the_job_interrupted_and_nothin
     node.start()
     job = node.job(job_id)
     assert job["state"] == "interrupted"
-    assert job["error"] == "daemon restarted during the job"
+    assert job["error"] == (
+        f"daemon restarted during the job; the workload was left running (pid {holder.pid})"
+    )
     assert not list((node.state_dir / "staging").iterdir())
     listed = node.cli("ls", "--json")
     assert listed.rc == 0, listed.stderr

@@ -158,11 +158,16 @@ def triggers_section(provider: str, url: str | None = None, **extra: object) -> 
 
 
 def migration_section(
-    *, standby: bool, cold_start_after: float = 600.0, poll_interval: float = POLL
+    *,
+    standby: bool,
+    cold_start_after: float = 600.0,
+    poll_interval: float = POLL,
+    request_ttl: float | None = None,
 ) -> str:
+    ttl = f"request_ttl = {request_ttl}\n" if request_ttl is not None else ""
     return (
         f"[migration]\nstandby = {json.dumps(standby)}\npoll_interval = {poll_interval}\n"
-        f"cold_start_after = {cold_start_after}\n"
+        f"cold_start_after = {cold_start_after}\n{ttl}"
     )
 
 
@@ -217,14 +222,20 @@ class Cluster:
         marker: Path | None = None,
         cold_start_after: float = 600.0,
         poll_interval: float = POLL,
+        request_ttl: float | None = None,
+        standby: bool = True,
     ) -> Node:
         """A standby node that watches no cloud and adopts the workload (``revision``: the
-        model build it runs; ``marker``: what its cold-start command writes)."""
+        model build it runs; ``marker``: what its cold-start command writes; ``standby=False``:
+        a node with the same config that adopts nothing by itself)."""
         return self.node(
             name,
             triggers_section("none")
             + migration_section(
-                standby=True, cold_start_after=cold_start_after, poll_interval=poll_interval
+                standby=standby,
+                cold_start_after=cold_start_after,
+                poll_interval=poll_interval,
+                request_ttl=request_ttl,
             )
             + workload_section(wl.pid_file, revision=revision, marker=marker),
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gpusnap.cli._common import UsageError
 from gpusnap.cli.main import build_parser
 from gpusnap.cli.trigger_cmds import render_migrations, render_triggers
 
@@ -17,7 +18,7 @@ def test_drill_reclaim_parses_seconds_and_durations() -> None:
     assert parser.parse_args(["drill", "reclaim", "--deadline", "30"]).deadline == 30.0
     assert parser.parse_args(["drill", "reclaim", "--deadline", "2m"]).deadline == 120.0
     assert parser.parse_args(["drill", "reclaim"]).deadline is None
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="deadline must be more than 0 seconds"):
         parser.parse_args(["drill", "reclaim", "--deadline", "0"])
 
 

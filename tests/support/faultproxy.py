@@ -159,6 +159,7 @@ class FaultProxy(StartStop):
         self._fail_until = 0.0
         self._fail_status = 503
         self._fail_match: str | None = None
+        self._fail_after = 0
         self._drop_count = 0
         self._lose_reply_count = 0
         self._down = False
@@ -190,16 +191,20 @@ class FaultProxy(StartStop):
 
     # -- faults ---------------------------------------------------------------------------
 
-    def fail_next(self, count: int, status: int = 503, *, match: str | None = None) -> None:
+    def fail_next(
+        self, count: int, status: int = 503, *, match: str | None = None, after: int = 0
+    ) -> None:
         """Answer the next ``count`` requests with ``status`` and an S3 XML error body.
 
         With ``match``, only requests whose ``"METHOD /path?query"`` contains it count (and
         fail), e.g. ``match="partNumber=2"`` fails the second part of a multipart upload.
+        ``after``: the first ``after`` of those requests still go through.
         """
         with self._lock:
             self._fail_count = count
             self._fail_status = status
             self._fail_match = match
+            self._fail_after = after
 
     def fail_for(self, seconds: float, status: int = 503) -> None:
         """Answer every request with ``status`` for the next ``seconds``."""
@@ -232,6 +237,12 @@ class FaultProxy(StartStop):
             self._down = False
         self.start()
 
+    def heal(self) -> None:
+        """Clear every pending fault (but not ``go_down``; use ``go_up`` for that)."""
+        with self._lock:
+            self._fail_count = self._drop_count = self._lose_reply_count = self._fail_after = 0
+            self._fail_until = 0.0
+
     def outcomes(self) -> list[str]:
         with self._lock:
             return [outcome for _, _, outcome in self.requests]
@@ -259,6 +270,9 @@ class FaultProxy(StartStop):
             if self._fail_count > 0 and (
                 self._fail_match is None or self._fail_match in f"{method} {path}"
             ):
+                if self._fail_after > 0:
+                    self._fail_after -= 1
+                    return "forwarded"
                 self._fail_count -= 1
                 return "failed"
             if time.monotonic() < self._fail_until:

@@ -25,8 +25,8 @@ UNIT = "gpusnapd.service"
 DROPIN_DIR = "/etc/systemd/system/gpusnapd.service.d"
 
 # The workloads run as root with a small capability bounding set (CRIU restores a tree only
-# with capabilities gpusnapd's own bounding set holds, see the unit) and stdout/stderr off the
-# journal (a stream socket to journald cannot be dumped yet, see the xfail test below).
+# with capabilities gpusnapd's own bounding set holds, see the unit) and, but in the journal
+# test, stdout/stderr off the journal.
 WORKLOAD_PROPS = (
     "CapabilityBoundingSet=CAP_NET_BIND_SERVICE",
     "StandardOutput=null",
@@ -323,27 +323,66 @@ def test_a_units_workload_is_restored_into_a_scope_that_outlives_daemon_restarts
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a unit's stdout/stderr to journald is a unix stream socket whose peer is outside "
-    "the tree: CRIU dumps it only when named with --external unix[INO], and a restore must "
-    "then hand the tree a new journal stream with --inherit-fd; gpusnapd passes neither "
-    "(daemon change: /work/arch/deploy-daemon.patch)",
-)
-def test_a_unit_that_logs_to_the_journal_is_checkpointed_and_restored(service: Container) -> None:
+def test_a_restored_units_workload_is_found_in_its_scope_which_says_what_it_holds(
+    service: Container,
+) -> None:
     unit = "gpusnap-test-counter.service"
-    pid = start_workload(
-        service, unit, COUNTER + "    print(i, flush=True)\n", "StandardOutput=journal"
-    )
+    pid = start_workload(service, unit, COUNTER)
+    scopes: list[str] = []
     try:
         service.wait_for("the counter counting", f"[ $(cat {COUNTER_FILE}) -ge 3 ]")
-        ckpt = gpusnap(service, "checkpoint", "--workload", "counter", "--wait")
-        restored = gpusnap(service, "restore", ckpt["checkpoint_id"], "--wait")
-        assert restored["pids"] == [pid]
+        for _ in range(2):  # a restore, a checkpoint of it by --workload, its restore
+            ckpt = gpusnap(service, "checkpoint", "--workload", "counter", "--wait")
+            gpusnap(service, "restore", ckpt["checkpoint_id"], "--wait")
+            cgroup = service.run("cat", f"/proc/{pid}/cgroup").stdout
+            scope = next(x for x in cgroup.splitlines() if x.startswith("0::")).rsplit("/")[-1]
+            scopes.append(scope)
+            description = service.show(scope, "Description")["Description"]
+            assert description == f"gpusnap: counter restored from {ckpt['checkpoint_id']}"
+            listed = {w["name"]: w for w in gpusnap(service, "workloads")["workloads"]}
+            assert (listed["counter"]["running"], listed["counter"]["pid"]) == (True, pid)
+        assert len(set(scopes)) == 2
     finally:
         service.sh(
             f"""
-            systemctl stop 'gpusnap-counter-*.scope' {unit} 2>/dev/null || true
+            systemctl stop {" ".join(scopes)} 2>/dev/null || true
+            systemctl stop {unit} 2>/dev/null || true
+            systemctl reset-failed {unit} 2>/dev/null || true
+            """
+        )
+
+
+def test_a_unit_that_logs_to_the_journal_is_checkpointed_and_restored(service: Container) -> None:
+    unit = "gpusnap-test-counter.service"
+    pid = start_workload(
+        service, unit, COUNTER + "    print(f'count {i}', flush=True)\n", "StandardOutput=journal"
+    )
+    scope = ""
+    try:
+        service.wait_for("the counter counting", f"[ $(cat {COUNTER_FILE}) -ge 3 ]")
+        ckpt = gpusnap(service, "checkpoint", "--workload", "counter", "--wait")
+        at_kill = read_counter(service)
+        restored = gpusnap(service, "restore", ckpt["checkpoint_id"], "--wait")
+        assert restored["pids"] == [pid]
+        cgroup = service.run("cat", f"/proc/{pid}/cgroup").stdout
+        scope = next(x for x in cgroup.splitlines() if x.startswith("0::")).rsplit("/", 1)[-1]
+        # What the restored tree prints goes on into the journal, on its new stream: each line
+        # from the pid that wrote it, and, once journald has looked at that pid again, under
+        # the scope it lives in now.
+        service.wait_for(
+            "the restored tree's output in the journal",
+            f"journalctl _PID={pid} _TRANSPORT=stdout -o cat --no-pager"
+            f" | grep -qx 'count {at_kill + 2}'",
+        )
+        service.wait_for(
+            "its output under its scope",
+            f"journalctl -u {scope} -o cat --no-pager | grep -q '^count '",
+        )
+    finally:
+        service.sh(
+            f"""
+            {f"systemctl stop {scope}" if scope else "true"}
+            systemctl stop {unit} 2>/dev/null || true
             systemctl reset-failed {unit} 2>/dev/null || true
             """
         )

@@ -363,18 +363,24 @@ class ShowCheckpointResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    MANIFEST_JSON_FIELD_NUMBER: _builtins.int
+    manifest_json: _builtins.str
+    """The same manifest as JSON text, every integer exact. Clients read this when it is set."""
     @_builtins.property
     def checkpoint(self) -> _struct_pb2.Struct:
-        """the manifest, stamp included"""
+        """The manifest, stamp included. A Struct carries numbers as doubles: an integer above 2^53
+        (a file's mtime_ns) loses digits here; `manifest_json` has them exactly.
+        """
 
     def __init__(
         self,
         *,
         checkpoint: _struct_pb2.Struct | None = ...,
+        manifest_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "manifest_json", b"manifest_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -798,6 +804,7 @@ class DaemonStatus(_message.Message):
     WORKLOADS_FIELD_NUMBER: _builtins.int
     INTERRUPTED_AT_START_FIELD_NUMBER: _builtins.int
     TRIGGERS_FIELD_NUMBER: _builtins.int
+    TRIGGER_PROVIDER_FIELD_NUMBER: _builtins.int
     STORE_CHECK_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpusnap's version"""
@@ -810,7 +817,9 @@ class DaemonStatus(_message.Message):
     staging_dir: _builtins.str
     jobs_running: _builtins.int
     triggers: _builtins.bool
-    """whether the reclaim trigger manager runs"""
+    """whether a cloud watcher runs (a reclaim notice can come)"""
+    trigger_provider: _builtins.str
+    """the clouds watched ("aws", "gcp,azure"), or "none" """
     @_builtins.property
     def store(self) -> Global___StoreStatus: ...
     @_builtins.property
@@ -855,11 +864,12 @@ class DaemonStatus(_message.Message):
         workloads: _abc.Iterable[Global___WorkloadStatus] | None = ...,
         interrupted_at_start: _abc.Iterable[_builtins.str] | None = ...,
         triggers: _builtins.bool = ...,
+        trigger_provider: _builtins.str = ...,
         store_check: Global___StoreCheckStatus | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store", "store_check", b"store_check"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "store_check", b"store_check", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "store_check", b"store_check", "trigger_provider", b"trigger_provider", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_id: _TypeAlias = _typing.Literal["node_id"]  # noqa: Y015
     _WhichOneofArgType__node_id: _TypeAlias = _typing.Literal["_node_id", b"_node_id"]  # noqa: Y015
@@ -1143,6 +1153,51 @@ class ListMigrationsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListMigrationsResponse: _TypeAlias = ListMigrationsResponse  # noqa: Y015
+
+@_typing.final
+class WithdrawMigrationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    reason: _builtins.str
+    """said in the request's outcome; empty: "withdrawn by <node>" """
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WithdrawMigrationRequest: _TypeAlias = WithdrawMigrationRequest  # noqa: Y015
+
+@_typing.final
+class WithdrawMigrationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIGRATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def migration(self) -> _struct_pb2.Struct:
+        """The migration as `ListMigrationsResponse` shows one, now withdrawn."""
+
+    def __init__(
+        self,
+        *,
+        migration: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["migration", b"migration"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["migration", b"migration"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WithdrawMigrationResponse: _TypeAlias = WithdrawMigrationResponse  # noqa: Y015
 
 @_typing.final
 class DrillRequest(_message.Message):

@@ -637,6 +637,11 @@ class DaemonStub:
                 request_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.ListMigrationsRequest.SerializeToString,
                 response_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.ListMigrationsResponse.FromString,
                 _registered_method=True)
+        self.WithdrawMigration = channel.unary_unary(
+                '/gpusnap.v1.Daemon/WithdrawMigration',
+                request_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.WithdrawMigrationRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.WithdrawMigrationResponse.FromString,
+                _registered_method=True)
         self.Drill = channel.unary_unary(
                 '/gpusnap.v1.Daemon/Drill',
                 request_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.DrillRequest.SerializeToString,
@@ -668,6 +673,13 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WithdrawMigration(self, request, context):
+        """End a migration request no node has claimed: no standby adopts it after this.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drill(self, request, context):
         """A rehearsal of a reclaim: checkpoint as if a notice had arrived; returns the job.
         """
@@ -692,6 +704,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.ListMigrations,
                     request_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.ListMigrationsRequest.FromString,
                     response_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.ListMigrationsResponse.SerializeToString,
+            ),
+            'WithdrawMigration': grpc.unary_unary_rpc_method_handler(
+                    servicer.WithdrawMigration,
+                    request_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.WithdrawMigrationRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.WithdrawMigrationResponse.SerializeToString,
             ),
             'Drill': grpc.unary_unary_rpc_method_handler(
                     servicer.Drill,
@@ -783,6 +800,33 @@ class Daemon:
             '/gpusnap.v1.Daemon/ListMigrations',
             gpusnap_dot_v1_dot_gpusnap__pb2.ListMigrationsRequest.SerializeToString,
             gpusnap_dot_v1_dot_gpusnap__pb2.ListMigrationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WithdrawMigration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.Daemon/WithdrawMigration',
+            gpusnap_dot_v1_dot_gpusnap__pb2.WithdrawMigrationRequest.SerializeToString,
+            gpusnap_dot_v1_dot_gpusnap__pb2.WithdrawMigrationResponse.FromString,
             options,
             channel_credentials,
             insecure,

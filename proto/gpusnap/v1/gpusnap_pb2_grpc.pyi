@@ -256,6 +256,8 @@ class DaemonStub:
     Status: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.StatusRequest, _gpusnap_pb2.StatusResponse]
     TriggersStatus: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.TriggersStatusRequest, _gpusnap_pb2.TriggersStatusResponse]
     ListMigrations: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.ListMigrationsRequest, _gpusnap_pb2.ListMigrationsResponse]
+    WithdrawMigration: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.WithdrawMigrationRequest, _gpusnap_pb2.WithdrawMigrationResponse]
+    """End a migration request no node has claimed: no standby adopts it after this."""
     Drill: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.DrillRequest, _gpusnap_pb2.Job]
     """A rehearsal of a reclaim: checkpoint as if a notice had arrived; returns the job."""
 
@@ -269,6 +271,8 @@ class DaemonAsyncStub(DaemonStub):
     Status: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.StatusRequest, _gpusnap_pb2.StatusResponse]  # type: ignore[assignment]
     TriggersStatus: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.TriggersStatusRequest, _gpusnap_pb2.TriggersStatusResponse]  # type: ignore[assignment]
     ListMigrations: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.ListMigrationsRequest, _gpusnap_pb2.ListMigrationsResponse]  # type: ignore[assignment]
+    WithdrawMigration: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.WithdrawMigrationRequest, _gpusnap_pb2.WithdrawMigrationResponse]  # type: ignore[assignment]
+    """End a migration request no node has claimed: no standby adopts it after this."""
     Drill: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.DrillRequest, _gpusnap_pb2.Job]  # type: ignore[assignment]
     """A rehearsal of a reclaim: checkpoint as if a notice had arrived; returns the job."""
 
@@ -297,6 +301,14 @@ class DaemonServicer(metaclass=_abc_1.ABCMeta):
         request: _gpusnap_pb2.ListMigrationsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gpusnap_pb2.ListMigrationsResponse, _abc.Awaitable[_gpusnap_pb2.ListMigrationsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def WithdrawMigration(
+        self,
+        request: _gpusnap_pb2.WithdrawMigrationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gpusnap_pb2.WithdrawMigrationResponse, _abc.Awaitable[_gpusnap_pb2.WithdrawMigrationResponse]]:
+        """End a migration request no node has claimed: no standby adopts it after this."""
 
     @_abc_1.abstractmethod
     def Drill(
