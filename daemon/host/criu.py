@@ -16,6 +16,7 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   in — a transient systemd scope where systemd is PID 1 — instead of CRIU recreating the old
   cgroup paths behind the service manager's back.
 - ``--restore-detached``: CRIU exits once the tree runs; the tree does not depend on the caller.
+- ``--libdir`` an empty directory: no CRIU plugin runs, CUDA's least of all (``criu_plugins``).
 - ``--auto-dedup`` on the restore from a pull's staging only (``daemon/restore.py``): each page
   is punched out of the images once restored, so the restored memory reuses those warm pages;
   never on a rescue from local images, which may have to be kept.
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host.criu_plugins import criu_env, no_plugins_args
 from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -311,6 +313,7 @@ class Criu:
                 cwd=workdir,
                 start_new_session=True,
                 close_fds=True,
+                env=criu_env(),
             )
             try:
                 rc = proc.wait(timeout)
@@ -388,6 +391,7 @@ def systemd_running() -> bool:
 
 def _common_options(options: dict[str, object]) -> list[str]:
     argv = ["--file-locks", "--ext-unix-sk", f"--manage-cgroups={options['manage_cgroups']}"]
+    argv += no_plugins_args()
     if options.get("shell_job"):
         argv.append("--shell-job")
     if options.get("tcp_established"):

@@ -3,50 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.errors import Unsupported
-from tests.fakes import libcuda
-from tests.fakes.libcuda import CudaProcess, Spawn
+from tests.fakes.fixtures import fake_nodes, lib, spawn  # noqa: F401 - fixtures
 from tests.support import workloads
-
-
-@pytest.fixture(scope="session")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fake libcuda.so.1, built once per session into a temporary directory."""
-    if shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler or make here (scripts/bootstrap.sh installs them)")
-    return libcuda.build(tmp_path_factory.mktemp("libcuda"))
-
-
-def _ptrace_scope() -> int:
-    try:
-        return int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
-    except (OSError, ValueError):
-        return 0
-
-
-@pytest.fixture
-def spawn() -> Iterator[Spawn]:
-    """``spawn(workdir, env, allocs, **kw)``: a started CUDA process, killed at the end."""
-    if os.geteuid() != 0 and _ptrace_scope() >= 1:
-        pytest.skip("the checkpoint calls need ptrace rights over their target (Yama forbids)")
-    procs: list[CudaProcess] = []
-
-    def start(workdir: Path, environ: dict[str, str], allocs: Any, **kw: Any) -> CudaProcess:
-        p = CudaProcess.start(workdir, environ, allocs, **kw)
-        procs.append(p)
-        return p
-
-    yield start
-    for p in procs:
-        p.kill()
 
 
 @pytest.fixture
