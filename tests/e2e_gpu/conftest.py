@@ -1,49 +1,108 @@
-"""Real gpusnapd daemons whose GPU worker loads the fake CUDA driver.
+"""Real gpusnapd daemons on fake GPU nodes.
 
-Each node gets ``[gpu] driver = "cuda"`` with ``$GPUSNAP_GPU_DRIVER`` pointing at the fake
-(``module:tests.fakes.fake_cuda``) and its own ``$GPUSNAP_FAKE_CUDA_STATE``: two nodes are two
-"machines" whose GPUs and drivers can differ. Real processes are registered in a node's fake
-as CUDA processes; CRIU is real.
+Each node is a real daemon with ``[gpu] driver = "cuda"``: its GPU worker runs the real
+``daemon/gpu/driver.py`` through the real cuda-bindings, which load the fake ``libcuda.so.1``
+first on the daemon's ``LD_LIBRARY_PATH``, on the node named by its
+``GPUSNAP_FAKE_CUDA_ROOT``; ``[gpu] nvidia_version_file`` points at that node's version line
+(what /proc/driver/nvidia/version holds on a real one). Two nodes are two "machines" whose
+GPUs, UUIDs and drivers differ. The workloads are real CUDA processes on the fake driver;
+CRIU is real.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import Node, Nodes, _subreaper, criu_or_skip, started  # noqa: F401
-from tests.fakes.fake_cuda import STATE_ENV, FakeCuda
+from tests.fakes.fixtures import FakeNode, fake_nodes, lib, spawn  # noqa: F401 - fixtures
+from tests.fakes.libcuda import ROOT_ENV
+from tests.support.workloads import Workload
 
-REPO = Path(__file__).resolve().parents[2]
-FAKE_DRIVER = "module:tests.fakes.fake_cuda"
+DEVICE_LM = Path(__file__).resolve().parents[1] / "gpu" / "device_lm.py"
+
+
+@dataclass
+class GpuNode:
+    """A daemon (``node``) on a fake GPU node (``fake``)."""
+
+    node: Node
+    fake: FakeNode
+
+    def cli(self, *args: str) -> Any:
+        return self.node.cli(*args)
 
 
 class GpuNodes(Nodes):
+    def __init__(self, base: Path, lib_dir: Path) -> None:
+        super().__init__(base)
+        self.lib = lib_dir
+
     def make_gpu(
-        self, name: str, *, gpu_config: str = "", extra_config: str = ""
-    ) -> tuple[Node, FakeCuda]:
-        """A node with the fake driver (state set up with defaults; change it before start)."""
+        self,
+        name: str,
+        gpus: list[dict[str, Any]] | None = None,
+        *,
+        gpu_config: str = "",
+        extra_config: str = "",
+        **node_json: Any,
+    ) -> GpuNode:
+        """A daemon on a new fake node (``libcuda.write_node``'s keys; default: one H200)."""
+        fake = FakeNode(self.lib, self.base / f"gpus-{name}").write(gpus, **node_json)
         node = self.make(name, extra_config=extra_config)
-        fake = FakeCuda(node.root / "fake-cuda.json").setup()
         node.write_config()
         text = node.config_path.read_text()
-        node.config_path.write_text(
-            text.replace('[gpu]\ndriver = "none"\n', f'[gpu]\ndriver = "cuda"\n{gpu_config}')
-        )
-        node.env.update(
-            {
-                "GPUSNAP_GPU_DRIVER": FAKE_DRIVER,
-                STATE_ENV: str(fake.path),
-                "PYTHONPATH": str(REPO),
-            }
-        )
-        return node, fake
+        gpu = f'[gpu]\ndriver = "cuda"\nnvidia_version_file = "{fake.version_file}"\n'
+        node.config_path.write_text(text.replace('[gpu]\ndriver = "none"\n', gpu + gpu_config))
+        node.env.update({"LD_LIBRARY_PATH": fake.env["LD_LIBRARY_PATH"], ROOT_ENV: str(fake.root)})
+        return GpuNode(node, fake)
 
 
 @pytest.fixture
-def gpu_nodes(tmp_path: Path) -> Iterator[GpuNodes]:
+def gpu_nodes(tmp_path: Path, lib: Path) -> Iterator[GpuNodes]:  # noqa: F811
     criu_or_skip()
-    with GpuNodes(tmp_path) as n:
+    with GpuNodes(tmp_path, lib) as n:
         yield n
+
+
+def device_lm_command(out: Path, *args: str) -> list[str]:
+    return [sys.executable, str(DEVICE_LM), str(out), *args]
+
+
+def start_device_lm(fake: FakeNode, workdir: Path, *args: str, steps: int) -> Workload:
+    """``tests/gpu/device_lm.py`` on ``fake``'s GPUs, as CRIU wants a tree: its own session,
+    no terminal, stdio on files."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "tokens"
+    cmd = device_lm_command(out, "--steps", str(steps), *args)
+    with open(workdir / "log", "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            cwd=workdir,
+            env=fake.env,
+            start_new_session=True,
+        )
+    return Workload("device_lm", proc, workdir, out, steps)
+
+
+def reference_tokens(fake: FakeNode, workdir: Path, *args: str, steps: int) -> bytes:
+    """The tokens of an uninterrupted run, without pauses."""
+    out = workdir / "reference"
+    workdir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        device_lm_command(out, "--steps", str(steps), *args),
+        env=fake.env,
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    return out.read_bytes()
