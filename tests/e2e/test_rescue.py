@@ -10,9 +10,10 @@ import pytest
 
 from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import criu_or_skip, restored_cleanup
-from tests.e2e_gpu.conftest import GpuNodes, start_device_lm
+from tests.e2e_gpu.conftest import GpuNodes
 from tests.fakes.fixtures import lib  # noqa: F401 - fixture
 from tests.fakes.libcuda import GIB, MIB
+from tests.gpu.lm import start_device_lm
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
 
@@ -40,7 +41,7 @@ def test_a_failed_upload_after_a_kill_mode_dump_restores_the_workload_and_its_gp
             )
         )
         node.start()
-        w = start_device_lm(fake, tmp_path / "run", "--interval", "0.05", steps=0)
+        w = start_device_lm(fake.env, tmp_path / "run", "--interval", "0.05", steps=0)
         pid = w.pid
         try:
             w.wait_steps(3)

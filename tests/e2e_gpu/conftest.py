@@ -11,8 +11,6 @@ CRIU is real.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +21,6 @@ import pytest
 from tests.e2e.conftest import Node, Nodes, _subreaper, criu_or_skip, started  # noqa: F401
 from tests.fakes.fixtures import FakeNode, fake_nodes, lib, spawn  # noqa: F401 - fixtures
 from tests.fakes.libcuda import ROOT_ENV
-from tests.support.workloads import Workload
-
-DEVICE_LM = Path(__file__).resolve().parents[1] / "gpu" / "device_lm.py"
 
 
 @dataclass
@@ -69,40 +64,3 @@ def gpu_nodes(tmp_path: Path, lib: Path) -> Iterator[GpuNodes]:  # noqa: F811
     criu_or_skip()
     with GpuNodes(tmp_path, lib) as n:
         yield n
-
-
-def device_lm_command(out: Path, *args: str) -> list[str]:
-    return [sys.executable, str(DEVICE_LM), str(out), *args]
-
-
-def start_device_lm(fake: FakeNode, workdir: Path, *args: str, steps: int) -> Workload:
-    """``tests/gpu/device_lm.py`` on ``fake``'s GPUs, as CRIU wants a tree: its own session,
-    no terminal, stdio on files."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "tokens"
-    cmd = device_lm_command(out, "--steps", str(steps), *args)
-    with open(workdir / "log", "ab") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            cwd=workdir,
-            env=fake.env,
-            start_new_session=True,
-        )
-    return Workload("device_lm", proc, workdir, out, steps)
-
-
-def reference_tokens(fake: FakeNode, workdir: Path, *args: str, steps: int) -> bytes:
-    """The tokens of an uninterrupted run, without pauses."""
-    out = workdir / "reference"
-    workdir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        device_lm_command(out, "--steps", str(steps), *args),
-        env=fake.env,
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
-    return out.read_bytes()

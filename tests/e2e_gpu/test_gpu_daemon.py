@@ -13,14 +13,9 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.host import proctree
-from tests.e2e_gpu.conftest import (
-    GpuNode,
-    GpuNodes,
-    device_lm_command,
-    reference_tokens,
-    start_device_lm,
-)
+from tests.e2e_gpu.conftest import GpuNode, GpuNodes
 from tests.fakes.libcuda import A0, B0, B1, GIB, MIB, ROOT_ENV, Spawn, gpu, wait_for
+from tests.gpu.lm import device_lm_command, reference_tokens, start_device_lm
 from tests.support import workloads
 from tests.support.workloads import Started, Workload
 
@@ -54,8 +49,8 @@ def test_a_model_in_device_memory_goes_on_bit_exactly_after_a_kill_and_a_restore
     b = gpu_nodes.make_gpu("b", [gpu(0, uuid=B0)])
     a.node.start()
     b.node.start()
-    expected = reference_tokens(a.fake, tmp_path / "ref", steps=STEPS)
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, steps=STEPS), steps=10)
+    expected = reference_tokens(a.fake.env, tmp_path / "ref", steps=STEPS)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=STEPS), steps=10)
     assert a.fake.free() == 141 * GIB - HELD
 
     result = _checkpoint(a, w)
@@ -81,8 +76,8 @@ def test_leave_running_gives_the_gpu_memory_back_and_the_model_goes_on(
 ) -> None:
     a = gpu_nodes.make_gpu("a")
     a.node.start()
-    expected = reference_tokens(a.fake, tmp_path / "ref", steps=STEPS)
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, steps=STEPS), steps=10)
+    expected = reference_tokens(a.fake.env, tmp_path / "ref", steps=STEPS)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=STEPS), steps=10)
     result = _checkpoint(a, w, "--leave-running")
     assert result["leave_running"] is True
     assert a.fake.state(w.pid) == "RUNNING"
@@ -125,8 +120,8 @@ def test_a_two_gpu_tree_with_a_non_cuda_parent_moves_to_a_node_with_other_uuids(
     for g in (a, b, c):
         g.node.start()
     tree = ("--tp", "2", "--engine-core", "--nccl", str(libnccl))
-    expected = reference_tokens(a.fake, tmp_path / "ref", *tree, steps=STEPS)
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, *tree, steps=STEPS), steps=10)
+    expected = reference_tokens(a.fake.env, tmp_path / "ref", *tree, steps=STEPS)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, *tree, steps=STEPS), steps=10)
     w0, w1 = _workers(w.pid)
 
     result = _checkpoint(a, w)
@@ -179,7 +174,7 @@ def test_a_restore_that_runs_out_of_gpu_memory_is_a_cold_start_with_the_reason(
     )
     a.node.start()
     b.node.start()
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, *big, steps=0), steps=5)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, *big, steps=0), steps=5)
     checkpoint_id = _checkpoint(a, w)["checkpoint_id"]
     w.reap()
 
@@ -213,7 +208,7 @@ def test_a_node_with_another_driver_version_cold_starts_and_says_why(
     b = gpu_nodes.make_gpu("b", [gpu(0, uuid=B0)], driver_version_string="580.105.08")
     a.node.start()
     b.node.start()
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, steps=0), steps=3)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=0), steps=3)
     checkpoint_id = _checkpoint(a, w)["checkpoint_id"]
     w.reap()
 
@@ -251,8 +246,8 @@ def test_a_hung_driver_call_is_killed_at_its_deadline_and_the_workload_runs_on(
 ) -> None:
     a = gpu_nodes.make_gpu("a", gpu_config="call_timeout_s = 5\n")
     a.node.start()
-    expected = reference_tokens(a.fake, tmp_path / "ref", steps=STEPS)
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, steps=STEPS), steps=5)
+    expected = reference_tokens(a.fake.env, tmp_path / "ref", steps=STEPS)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=STEPS), steps=5)
     # The driver checkpoints the process, then never answers.
     a.fake.fault("cuCheckpointProcessCheckpoint", pid=w.pid, hang_s=600, after=True)
     ck = a.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")

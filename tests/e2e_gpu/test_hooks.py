@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_gpu.conftest import GpuNode, GpuNodes, reference_tokens, start_device_lm
+from tests.e2e_gpu.conftest import GpuNode, GpuNodes
 from tests.fakes import libcuda
+from tests.gpu.lm import reference_tokens, start_device_lm
 from tests.support import workloads
 from tests.support.workloads import Started
 
@@ -58,7 +59,7 @@ def test_hooks_run_around_a_leave_running_checkpoint_and_a_restore(
     a = gpu_nodes.make_gpu("a")
     seen = _with_hooks(a, tmp_path)
     a.node.start()
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, steps=0), steps=5)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=0), steps=5)
 
     ck = a.cli("checkpoint", "--pid", str(w.pid), "--leave-running", "--wait", "--json")
     assert ck.rc == 0, ck.stderr + a.node.log()
@@ -93,8 +94,8 @@ def test_a_failing_pre_checkpoint_fails_the_job_before_anything_is_frozen(
     a = gpu_nodes.make_gpu("a")
     seen = _with_hooks(a, tmp_path, pre_status=3)
     a.node.start()
-    expected = reference_tokens(a.fake, tmp_path / "ref", steps=STEPS)
-    w = started(start_device_lm(a.fake, tmp_path / "run", *PACE, steps=STEPS), steps=5)
+    expected = reference_tokens(a.fake.env, tmp_path / "ref", steps=STEPS)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=STEPS), steps=5)
     ck = a.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
     assert ck.rc != 0
     message = ck.stderr.strip()
