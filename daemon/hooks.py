@@ -5,10 +5,11 @@ balancer) and told to go on after::
 
     [[workload]]
     name = "llm"
-    hooks = { pre_checkpoint = ["/usr/local/bin/llm-pause"],
-              post_thaw = ["/usr/local/bin/llm-resume"],
-              post_restore = { command = ["/usr/local/bin/llm-resume"], timeout_s = 60 },
-              timeout_s = 30 }
+    [workload.hooks]            # the same as hooks = { ... } on one line
+    pre_checkpoint = ["/usr/local/bin/llm-pause"]
+    post_thaw = ["/usr/local/bin/llm-resume"]
+    post_restore = { command = ["/usr/local/bin/llm-resume"], timeout_s = 60 }
+    timeout_s = 30
 
 - ``pre_checkpoint`` runs before anything is frozen; if it fails (a non-zero exit, or its
   deadline passes and it is killed) the job fails there and the workload is not touched.

@@ -18,10 +18,10 @@
 # that comes back; a temporary folder when unset), with $OUT/figures.jsonl, $OUT/capabilities.json
 # and $OUT/logs.tar.gz (CRIU and workload logs of the run, CRIU images left out).
 #
-# Time: the whole script stops within GPUSNAP_DEVICE_BUDGET seconds (default 480, for a run
+# Time: the whole script stops within GPUSNAP_DEVICE_BUDGET seconds (default 540, for a run
 # with timeout_s=600): the bench gets at most GPUSNAP_DEVICE_BENCH_S (120 s) at the end, pytest
 # what is left after setup less that and 20 s, each test at most GPUSNAP_DEVICE_TEST_TIMEOUT
-# (120 s).
+# (120 s). GPUSNAP_DEVICE_BENCH_S=0 leaves the bench out (a rerun of some tests).
 # GPUSNAP_DEVICE_PYTEST_ARGS adds pytest arguments (a rerun of some tests: "-k kill").
 # GPUSNAP_DEVICE_WHEELS=skip uses the interpreter's own packages (a dry run on another Python).
 set -uo pipefail
@@ -29,7 +29,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT" || exit 1
 PY=${PYTHON:-python3}
-BUDGET=${GPUSNAP_DEVICE_BUDGET:-480}
+BUDGET=${GPUSNAP_DEVICE_BUDGET:-540}
 TEST_TIMEOUT=${GPUSNAP_DEVICE_TEST_TIMEOUT:-120}
 BENCH_S=${GPUSNAP_DEVICE_BENCH_S:-120}
 WORK=${GPUSNAP_DEVICE_WORK:-/tmp/gpusnap-device}
@@ -147,6 +147,10 @@ bench() {
   say "=== bench/gpu_bench.py --real (at most ${BENCH_S} s) ==="
   if ! command -v nvidia-smi >/dev/null; then
     say "bench: not run (no GPU)"
+    return 0
+  fi
+  if [ "$BENCH_S" -le 0 ]; then
+    say "bench: not run (GPUSNAP_DEVICE_BENCH_S=$BENCH_S)"
     return 0
   fi
   # 4 GiB of device memory, one round: the custom-storage and host-staged paths against pinned
