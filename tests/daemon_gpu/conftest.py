@@ -3,17 +3,33 @@ cuda-bindings, the fake ``libcuda.so.1`` (``tests/fakes/libcuda``) and real CUDA
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpusnap.daemon.config import Config, parse_config
 from gpusnap.daemon.gpu import GpuCoordinator
 from tests.e2e.conftest import started  # noqa: F401 - fixture
 from tests.fakes.fixtures import FakeNode, fake_nodes, lib, spawn  # noqa: F401 - fixtures
 from tests.fakes.libcuda import ROOT_ENV
 
 Coordinators = Callable[..., GpuCoordinator]
+
+
+def parse_with(tmp_path: Path, extra: str) -> Config:
+    """A minimal daemon config with ``extra`` TOML at its end, parsed (and checked)."""
+    text = f"""
+[daemon]
+state_dir = "{tmp_path / "state"}"
+[store]
+url = "file://{tmp_path / "store"}"
+verify = false
+{extra}
+"""
+    return parse_config(tomllib.loads(text))
 
 
 @pytest.fixture

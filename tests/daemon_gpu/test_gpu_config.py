@@ -3,26 +3,17 @@ kernel module's version line is read from."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.config import GpuSection, parse_config
+from gpusnap.daemon.config import GpuSection
 from gpusnap.errors import InvalidArgument
+from tests.daemon_gpu.conftest import parse_with
 
 
 def _gpu(tmp_path: Path, keys: str) -> GpuSection:
-    text = f"""
-[daemon]
-state_dir = "{tmp_path / "state"}"
-[store]
-url = "file://{tmp_path / "store"}"
-verify = false
-[gpu]
-{keys}
-"""
-    return parse_config(tomllib.loads(text)).gpu
+    return parse_with(tmp_path, f"[gpu]\n{keys}").gpu
 
 
 def test_the_gpu_section_takes_a_copy_rate_and_a_version_file(tmp_path: Path) -> None:

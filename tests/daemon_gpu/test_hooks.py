@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpusnap.daemon.config import parse_config
 from gpusnap.daemon.hooks import Hook, JobHooks, WorkloadHooks, run_hook
 from gpusnap.daemon.host import proctree
 from gpusnap.errors import FailedPrecondition, InvalidArgument
+from tests.daemon_gpu.conftest import parse_with
 from tests.fakes.libcuda import wait_for
 
 
 def _config(tmp_path: Path, hooks: str) -> Any:
-    text = f"""
-[daemon]
-state_dir = "{tmp_path / "state"}"
-[store]
-url = "file://{tmp_path / "store"}"
-verify = false
-[[workload]]
-name = "llm"
-hooks = {hooks}
-"""
-    return parse_config(tomllib.loads(text))
+    return parse_with(tmp_path, f'[[workload]]\nname = "llm"\nhooks = {hooks}')
 
 
 def test_hooks_are_commands_or_tables_with_their_own_deadline(tmp_path: Path) -> None:

@@ -66,6 +66,16 @@ def one_process(fake_nodes, spawn: Spawn, tmp_path: Path) -> tuple[FakeNode, Cud
     return node, spawn(tmp_path / "p", node.env, [(0, MIB)])
 
 
+@pytest.fixture
+def two_processes(
+    fake_nodes, spawn: Spawn, tmp_path: Path
+) -> tuple[FakeNode, CudaProcess, CudaProcess]:
+    """Node ``a`` and two CUDA processes on it holding 1 MiB each."""
+    node: FakeNode = fake_nodes("a")
+    a, b = (spawn(tmp_path / n, node.env, [(0, MIB)]) for n in "ab")
+    return node, a, b
+
+
 def _digests(*procs: CudaProcess) -> list[Any]:
     return [p.command("digest")["allocs"] for p in procs]
 
@@ -151,11 +161,9 @@ def test_thaw_restores_all_then_unlocks_all_and_the_memory_is_back(
 
 
 def test_a_failed_checkpoint_of_the_second_process_rolls_both_back(
-    fake_nodes, spawn: Spawn, coordinators: Coordinators, tmp_path: Path
+    two_processes: tuple[FakeNode, CudaProcess, CudaProcess], coordinators: Coordinators
 ) -> None:
-    node: FakeNode = fake_nodes("a")
-    a = spawn(tmp_path / "a", node.env, [(0, MIB)])
-    b = spawn(tmp_path / "b", node.env, [(0, MIB)])
+    node, a, b = two_processes
     before = _digests(a, b)
     node.fault("cuCheckpointProcessCheckpoint", pid=b.pid, error="CUDA_ERROR_UNKNOWN")
     with pytest.raises(Internal) as caught:
@@ -263,11 +271,9 @@ def _checkpointed(coordinator: GpuCoordinator, pids: list[int]) -> dict[str, Any
 
 
 def test_restore_puts_the_processes_back_and_unlocks(
-    fake_nodes, spawn: Spawn, coordinators: Coordinators, tmp_path: Path
+    two_processes: tuple[FakeNode, CudaProcess, CudaProcess], coordinators: Coordinators
 ) -> None:
-    node: FakeNode = fake_nodes("a")
-    a = spawn(tmp_path / "a", node.env, [(0, MIB)])
-    b = spawn(tmp_path / "b", node.env, [(0, MIB)])
+    node, a, b = two_processes
     before = _digests(a, b)
     coordinator = coordinators(node)
     coordinator.restore([a.pid, b.pid], _checkpointed(coordinator, [a.pid, b.pid]))

@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.conftest import Node, Nodes, criu_or_skip
 from tests.gpu.lm import reference_tokens, start_device_lm
-from tests.support.workloads import Started
+from tests.support.workloads import Started, Workload
 
 STEPS = 300
 WEIGHTS_MIB = int(os.environ.get("GPUSNAP_GPU_LM_WEIGHTS_MIB", "2048"))
@@ -41,6 +41,16 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
 
 
+def _running_model(tmp_path: Path, started: Started) -> tuple[bytes, Workload]:
+    """The tokens of an uninterrupted run, and a paced run a third of the way through."""
+    expected = reference_tokens(_env(), tmp_path / "ref", *MODEL, steps=STEPS)
+    w = started(
+        start_device_lm(_env(), tmp_path / "run", *MODEL, "--interval", "0.01", steps=STEPS),
+        steps=STEPS // 3,
+    )
+    return expected, w
+
+
 def _checkpoint(node: Node, pid: int, *extra: str) -> dict[str, Any]:
     ck = node.cli("checkpoint", "--pid", str(pid), *extra, "--wait", "--json", timeout=300)
     assert ck.rc == 0, ck.stderr + node.log()
@@ -51,11 +61,7 @@ def _checkpoint(node: Node, pid: int, *extra: str) -> dict[str, Any]:
 def test_the_daemon_kills_and_restores_a_model_in_device_memory_bit_exactly(
     gpu_node: Node, tmp_path: Path, started: Started, figures: Any
 ) -> None:
-    expected = reference_tokens(_env(), tmp_path / "ref", *MODEL, steps=STEPS)
-    w = started(
-        start_device_lm(_env(), tmp_path / "run", *MODEL, "--interval", "0.01", steps=STEPS),
-        steps=STEPS // 3,
-    )
+    expected, w = _running_model(tmp_path, started)
     t0 = time.monotonic()
     result = _checkpoint(gpu_node, w.pid)
     checkpoint_s = time.monotonic() - t0
@@ -84,11 +90,7 @@ def test_the_daemon_kills_and_restores_a_model_in_device_memory_bit_exactly(
 def test_the_daemon_leave_running_checkpoint_of_a_model_in_device_memory(
     gpu_node: Node, tmp_path: Path, started: Started, figures: Any
 ) -> None:
-    expected = reference_tokens(_env(), tmp_path / "ref", *MODEL, steps=STEPS)
-    w = started(
-        start_device_lm(_env(), tmp_path / "run", *MODEL, "--interval", "0.01", steps=STEPS),
-        steps=STEPS // 3,
-    )
+    expected, w = _running_model(tmp_path, started)
     result = _checkpoint(gpu_node, w.pid, "--leave-running")
     assert w.wait_done(timeout=300) == expected
     figures("daemon-leave-running", pause_s=result["pause_seconds"])
