@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -43,13 +42,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.host.criu import Criu, parse_stats
-from gpusnap.storage import generate_signing_key
-
 ROOT = Path(__file__).resolve().parent.parent
-HOLDER = ROOT / "tests" / "e2e" / "memory_holder.py"
-BIN = Path(sys.executable).parent
-GUARD = 1800.0  # seconds; against hangs only
+sys.path.insert(0, str(ROOT))  # bench._daemon and tests.e2e.memory_holder
+
+from bench._daemon import GUARD, adopt_orphans, cli, gpusnapd, poll  # noqa: E402
+from gpusnap.daemon.host.criu import Criu, parse_stats  # noqa: E402
+from tests.e2e import memory_holder  # noqa: E402
+
 CRIU_COMMON = ["--file-locks", "--ext-unix-sk", "--manage-cgroups=ignore"]
 
 
@@ -57,14 +56,6 @@ def run(argv: list[str], **kw: Any) -> float:
     t = time.monotonic()
     subprocess.run(argv, check=True, timeout=GUARD, stdin=subprocess.DEVNULL, **kw)
     return time.monotonic() - t
-
-
-def poll(what: str, ready: Any) -> None:
-    end = time.monotonic() + GUARD
-    while not ready():
-        if time.monotonic() > end:
-            raise TimeoutError(what)
-        time.sleep(0.02)
 
 
 def gone(pid: int) -> bool:
@@ -84,22 +75,6 @@ def kill_and_reap(pid: int, *, ours: bool) -> None:
     poll(f"pid {pid} to go", lambda: not Path(f"/proc/{pid}").exists() or gone(pid))
     if not ours:  # reaped by the daemon; wait until the pid is really free
         poll(f"pid {pid} to be reaped", lambda: not Path(f"/proc/{pid}").exists())
-
-
-def cli(sock: Path, *args: str) -> tuple[dict[str, Any], float]:
-    t = time.monotonic()
-    proc = subprocess.run(
-        [str(BIN / "gpusnap"), "--socket", str(sock), *args],
-        capture_output=True,
-        text=True,
-        timeout=GUARD,
-        check=False,
-    )
-    wall = time.monotonic() - t
-    if proc.returncode != 0:
-        raise RuntimeError(f"gpusnap {' '.join(args)} failed: {proc.stderr.strip()}")
-    data: dict[str, Any] = json.loads(proc.stdout)
-    return data, wall
 
 
 def dir_bytes(d: Path) -> int:
@@ -145,48 +120,24 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     # The bare restore makes the restored root our child (--restore-sibling); adopt orphans too.
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    adopt_orphans()
     mib = int(args.gib * 1024)
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     holder: subprocess.Popen[bytes] | None = None
-    daemon: subprocess.Popen[bytes] | None = None
+    daemon = contextlib.ExitStack()
     try:
         ready = work / "holder.ready"
-        holder = subprocess.Popen(
-            [sys.executable, str(HOLDER), "--mib", str(mib), "--ready", str(ready)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-        )
+        holder = memory_holder.start(mib, ready)
         poll("the holder to fill its memory", ready.exists)
         pid = holder.pid
         print(f"holder pid {pid} holds {mib} MiB; work dir {work} (tmpfs)", flush=True)
 
-        key = work / "signing.key"
-        generate_signing_key(key)
-        sock = work / "sock" / "gpusnapd.sock"
-        sock.parent.mkdir(mode=0o750)
-        cfg = work / "gpusnapd.toml"
-        cfg.write_text(
-            f'[daemon]\nsocket = "{sock}"\nstate_dir = "{work}/state"\n'
-            f"criu_log_level = {args.criu_log_level}\n"
-            f"upload_during_dump = {'false' if args.no_upload_during_dump else 'true'}\n"
-            f'[store]\nurl = "file://{work}/store"\nkey_file = "{key}"\n[gpu]\ndriver = "none"\n'
-        )
-        with open(work / "gpusnapd.log", "wb") as log:
-            daemon = subprocess.Popen(
-                [str(BIN / "gpusnapd"), "--config", str(cfg)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
+        sock = daemon.enter_context(
+            gpusnapd(
+                work,
+                daemon=f"criu_log_level = {args.criu_log_level}\n"
+                f"upload_during_dump = {'false' if args.no_upload_during_dump else 'true'}\n",
             )
-        poll("gpusnapd", sock.exists)
-        poll("gpusnapd to serve", lambda: subprocess.run(
-            [str(BIN / "gpusnap"), "--socket", str(sock), "status"], capture_output=True,
-            check=False).returncode == 0)  # fmt: skip
+        )
 
         # The process's first-ever dump is slower than later ones on either side (0.76-1.16 s
         # against 0.59-0.67 s in the runs of 2026-11-30): one bare dump, thrown away, warms
@@ -205,10 +156,7 @@ def main() -> int:
         for round_ in range(args.rounds):
             for side in ("gpusnapd", "bare") if round_ % 2 == 0 else ("bare", "gpusnapd"):
                 if side == "gpusnapd":
-                    ck, _ = cli(
-                        sock, "checkpoint", "--pid", str(pid), "--leave-running", "--wait",
-                        "--json",
-                    )  # fmt: skip
+                    ck = cli(sock, "checkpoint", "--pid", str(pid), "--leave-running", "--wait")
                     checkpoints.append(ck)
                     continue
                 bare.mkdir()
@@ -253,9 +201,7 @@ def main() -> int:
         for round_ in range(args.rounds):
             for side in ("gpusnapd", "bare") if round_ % 2 == 0 else ("bare", "gpusnapd"):
                 if side == "gpusnapd":
-                    rs, _ = cli(
-                        sock, "restore", checkpoints[-1]["checkpoint_id"], "--wait", "--json"
-                    )
+                    rs = cli(sock, "restore", checkpoints[-1]["checkpoint_id"], "--wait")
                     if rs.get("mode") != "restored":
                         raise RuntimeError(f"gpusnapd cold-started: {rs.get('reasons')}")
                     restores.append(rs)
@@ -279,9 +225,7 @@ def main() -> int:
         if holder is not None and holder.poll() is None:
             holder.kill()
             holder.wait()
-        if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(GUARD)
+        daemon.close()
         shutil.rmtree(work, ignore_errors=True)
 
     pause = min(float(c["pause_seconds"]) for c in checkpoints)

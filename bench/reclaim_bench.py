@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import platform
@@ -40,75 +39,44 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # bench._daemon and tests.*
 
+from bench._daemon import GUARD, adopt_orphans, cli, gpusnapd, poll  # noqa: E402
 from gpusnap.daemon.host.criu import Criu  # noqa: E402
-from gpusnap.storage import generate_signing_key  # noqa: E402
+from tests.e2e import memory_holder  # noqa: E402
 from tests.support.metadata_servers import AwsImdsServer  # noqa: E402
 from tests.support.moto_server import MotoServer, aws_test_credentials  # noqa: E402
 
-HOLDER = ROOT / "tests" / "e2e" / "memory_holder.py"
 TINYLM = ROOT / "demo" / "tinylm.py"
-BIN = Path(sys.executable).parent
-GUARD = 1800.0  # seconds; against hangs only
 TARGET_RATIO = 0.10
 NOTICE_S = 120.0  # an AWS spot notice: two minutes
 
 
-def poll(what: str, ready: Callable[[], Any]) -> Any:
-    end = time.monotonic() + GUARD
-    while True:
-        value = ready()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
-def cli(sock: Path, *args: str) -> Any:
-    proc = subprocess.run(
-        [str(BIN / "gpusnap"), "--socket", str(sock), *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=GUARD,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"gpusnap {' '.join(args)} failed: {proc.stderr.strip()}")
-    return json.loads(proc.stdout)
-
-
 def start_workload(kind: str, work: Path, mib: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    err = open(work / "workload.err", "wb")  # noqa: SIM115 - the child keeps it
     if kind == "tinylm":
-        argv = [sys.executable, str(TINYLM), "--out", str(work / "tokens.txt"), "--steps",
-                "1000000", "--interval", "0.05"]  # fmt: skip
+        tokens = work / "tokens.txt"
+        proc = subprocess.Popen(
+            [sys.executable, str(TINYLM), "--out", str(tokens), "--steps", "1000000",
+             "--interval", "0.05"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True, cwd=work, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+        )  # fmt: skip
 
         def ready() -> bool:
-            out = work / "tokens.txt"
-            return out.exists() and out.stat().st_size > 0
+            return tokens.exists() and tokens.stat().st_size > 0
 
     else:
-        argv = [sys.executable, str(HOLDER), "--mib", str(mib), "--ready", str(work / "ready")]
+        proc = memory_holder.start(mib, work / "ready", stderr=err, cwd=work)
 
         def ready() -> bool:
             return (work / "ready").exists()
 
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(work / "workload.err", "wb"),  # noqa: SIM115 - the child keeps it
-        start_new_session=True,
-        cwd=work,
-        env=env,
-    )
     poll(f"{kind} to start", lambda: ready() or proc.poll() is not None)
     if proc.poll() is not None:
         raise RuntimeError(f"{kind} exited: {(work / 'workload.err').read_text()[-2000:]}")
@@ -131,13 +99,8 @@ def run_case(
 ) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    key = work / "signing.key"
-    generate_signing_key(key)
-    sock = work / "sock" / "gpusnapd.sock"
-    sock.parent.mkdir(mode=0o750)
-    if s3 is None:
-        store = f'url = "file://{work}/store"\n'
-    else:
+    store = ""  # file:// in the work dir
+    if s3 is not None:
         endpoint, bucket = s3
         prefix = f"{kind}-{case}-{os.getpid()}"
         store = (
@@ -147,26 +110,20 @@ def run_case(
     proc = start_workload(kind, work, mib)
     (work / "workload.pid").write_text(f"{proc.pid}\n")
     interval = "checkpoint_interval = 86400\n" if case == "periodic" else ""
-    daemon: subprocess.Popen[bytes] | None = None
     try:
-        with AwsImdsServer() as imds:
-            (work / "gpusnapd.toml").write_text(
-                f'[daemon]\nsocket = "{sock}"\nstate_dir = "{work}/state"\nnode_id = "bench"\n'
-                f'[store]\n{store}key_file = "{key}"\n[gpu]\ndriver = "none"\n'
-                f'[triggers]\nprovider = "aws"\naws_imds_url = "{imds.url}"\n'
-                f"poll_interval = {poll_s}\nlogind = false\n"
-                f'[[workload]]\nname = "{kind}"\npid_file = "{work}/workload.pid"\n'
-                f'on_notice = "checkpoint"\n{interval}'
-            )
-            with open(work / "gpusnapd.log", "wb") as log:
-                daemon = subprocess.Popen(
-                    [str(BIN / "gpusnapd"), "--config", str(work / "gpusnapd.toml")],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    start_new_session=True,
+        with contextlib.ExitStack() as running:
+            imds = running.enter_context(AwsImdsServer())
+            sock = running.enter_context(
+                gpusnapd(
+                    work,
+                    daemon='node_id = "bench"\n',
+                    store=store,
+                    extra=f'[triggers]\nprovider = "aws"\naws_imds_url = "{imds.url}"\n'
+                    f"poll_interval = {poll_s}\nlogind = false\n"
+                    f'[[workload]]\nname = "{kind}"\npid_file = "{work}/workload.pid"\n'
+                    f'on_notice = "checkpoint"\n{interval}',
                 )
-            poll("gpusnapd to serve", lambda: sock.exists() and _serves(sock))
+            )
 
             periodic: dict[str, Any] | None = None
             if case == "periodic":
@@ -221,13 +178,6 @@ def run_case(
             }
         return out
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(120)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(GUARD)
@@ -235,17 +185,6 @@ def run_case(
             while os.waitpid(-1, os.WNOHANG)[0] > 0:
                 pass
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _serves(sock: Path) -> bool:
-    return (
-        subprocess.run(
-            [str(BIN / "gpusnap"), "--socket", str(sock), "status"],
-            capture_output=True,
-            check=False,
-        ).returncode
-        == 0
-    )
 
 
 def human(n: float) -> str:
@@ -269,7 +208,7 @@ def main() -> int:
         sys.stderr.write("reclaim_bench: CRIU needs root\n")
         return 1
     Criu().check()
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # reap the workloads' orphans
+    adopt_orphans()  # reap the workloads' orphans
     base = (args.workdir or Path(f"/dev/shm/gpusnap-reclaim-{os.getpid()}")).resolve()
     mib = int(args.gib * 1024)
     rows: list[dict[str, Any]] = []

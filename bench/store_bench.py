@@ -9,11 +9,15 @@ a) push to a fresh file:// store vs ``zstd -T0 -1`` over the same bytes (compres
    alone, output discarded) and vs ``cp`` + ``sync`` of the same bytes (disk stage alone);
 b) an incremental push after 5% of the bytes change in a few contiguous regions and a few
    pages are inserted near the start of one file: bytes uploaded and time vs the first push;
+   and what guarding it costs (issue 12): the time the commit waited on the proof that the
+   chunks it skipped are in the store, and the proof run alone on the same chunks (what it
+   would cost with nothing to overlap), each as a ratio to that incremental push;
 c) pull vs ``zstd -d`` of the same data: to /dev/null (decompression alone: the baseline the
    issue's target names) and to a file on the same filesystem followed by ``sync`` (like for
    like: pull writes files);
 d) against a moto S3 server on loopback: push vs a plain boto3 ``upload_file`` (default
-   TransferConfig) of the same bytes to the same server, on a smaller image.
+   TransferConfig) of the same bytes to the same server, on a smaller image; then an
+   incremental push there, and the proof's cost as a ratio to it (moto's own, not S3's).
 
 Reads are warm (the image was just written; dropping the page cache is not reliable here),
 for gpusnap and the baselines alike. With ``--repeat N`` the file:// part (image, baselines,
@@ -45,8 +49,9 @@ sys.path.insert(0, str(ROOT))  # tests.support (MotoServer) and bench._synthetic
 import boto3  # noqa: E402
 
 from bench._synthetic import GiB, ImageLayout, MiB, build_image, mutate_image  # noqa: E402
-from gpusnap.storage import generate_signing_key, open_store  # noqa: E402
+from gpusnap.storage import CheckpointStore, generate_signing_key, open_store  # noqa: E402
 from gpusnap.storage.backend import BackendOptions  # noqa: E402
+from gpusnap.storage.confirm import ChunkProof, refresh_identity  # noqa: E402
 from tests.support.moto_server import MotoServer  # noqa: E402
 
 TARGETS = {
@@ -54,6 +59,7 @@ TARGETS = {
     "incremental_bytes": 0.10,  # incremental uploads <= 10% of the first push's bytes
     "incremental_time": 0.30,  # ... in <= 30% of its time
     "pull_vs_decompression": 0.8,  # pull MB/s >= 0.8x zstd -d alone
+    "proof_vs_incremental": 0.05,  # the proof alone <= 5% of the incremental push it guards
 }
 
 
@@ -106,6 +112,21 @@ def machine() -> dict[str, Any]:
     }
 
 
+def measure_proof(store: CheckpointStore, checkpoint_id: str) -> dict[str, Any]:
+    """The proof of an incremental push, run alone on that push's chunks (best of 3): the
+    identity read it starts with, then HEADs or a LIST, as the push would choose."""
+    ids = store.manifest(checkpoint_id).chunk_ids()
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        refresh_identity(store.context)
+        proof = ChunkProof(store.context)
+        missing = proof.missing(ids)
+        runs.append(time.perf_counter() - t0)
+        assert not missing, f"{len(missing)} chunks of {checkpoint_id} missing"
+    return {"seconds": min(runs), "runs": runs, "chunks": len(ids), "method": proof.stats.method}
+
+
 def bench_file_store(work: Path, size: int, seed: int, workers: int | None) -> dict[str, Any]:
     image = work / "image"
     t_build, layout = timed(lambda: build_image(image, size, seed=seed))
@@ -144,6 +165,7 @@ def bench_file_store(work: Path, size: int, seed: int, workers: int | None) -> d
         )
         res["incremental"] = second.as_dict()
         print(f"incremental push: {res['incremental_s']:.1f} s", file=sys.stderr)
+        res["proof_alone"] = measure_proof(store, second.checkpoint_id)
 
         # (c) pull of the second checkpoint (the image as it is now) vs zstd -d.
         pulled = work / "pulled"
@@ -191,6 +213,12 @@ def bench_s3(work: Path, size: int, seed: int) -> dict[str, Any]:
         try:
             res["push_s"], pushed = timed(lambda: store.push(image, workload="bench-s3"))
             res["push"] = pushed.as_dict()
+            mutate_image(image, layout)
+            res["incremental_s"], second = timed(
+                lambda: store.push(image, workload="bench-s3", parent=pushed.checkpoint_id)
+            )
+            res["incremental"] = second.as_dict()
+            res["proof_alone"] = measure_proof(store, second.checkpoint_id)
         finally:
             store.close()
         print(f"s3 push: {res['push_s']:.1f} s", file=sys.stderr)
@@ -212,9 +240,15 @@ def summarize(f: dict[str, Any], s3: dict[str, Any] | None) -> dict[str, Any]:
         "incremental_time": f["incremental_s"] / f["push_s"],
         "pull_vs_decompression": pull_mbps / dec_mbps,
         "pull_vs_decompression_to_file": pull_mbps / mbps(total, f["zstd_decompress_to_file_s"]),
+        "proof_vs_incremental": f["proof_alone"]["seconds"] / f["incremental_s"],
+        "proof_wait_vs_incremental": f["incremental"]["proof_seconds"] / f["incremental_s"],
     }
     if s3 is not None:
         ratios["s3_push_time_vs_boto3_upload"] = s3["push_s"] / s3["boto3_upload_s"]
+        ratios["s3_proof_vs_incremental"] = s3["proof_alone"]["seconds"] / s3["incremental_s"]
+        ratios["s3_proof_wait_vs_incremental"] = (
+            s3["incremental"]["proof_seconds"] / s3["incremental_s"]
+        )
     return {
         "throughput_mbps": {
             "push": push_mbps,
@@ -238,6 +272,7 @@ def judge(ratios: dict[str, float]) -> dict[str, bool]:
         "incremental_time": ratios["incremental_time"] <= TARGETS["incremental_time"],
         "pull_vs_decompression": ratios["pull_vs_decompression"]
         >= TARGETS["pull_vs_decompression"],
+        "proof_vs_incremental": ratios["proof_vs_incremental"] <= TARGETS["proof_vs_incremental"],
     }
 
 
@@ -301,6 +336,15 @@ def print_table(f: dict[str, Any], s3: dict[str, Any] | None, summary: dict[str,
             "same filesystem as the pull",
         ),
         ("pull, file://", f"{f['pull_s']:.2f} s", f"{t['pull']:.0f} MB/s", pull_note),
+        (
+            "  proof of the incremental push",
+            f"{f['proof_alone']['seconds'] * 1000:.1f} ms alone",
+            f"{r['proof_vs_incremental'] * 100:.1f}% of it",
+            f"target <= 5%: {mark('proof_vs_incremental')}; the push waited "
+            f"{f['incremental']['proof_seconds'] * 1000:.1f} ms "
+            f"({r['proof_wait_vs_incremental'] * 100:.1f}%); "
+            f"{f['proof_alone']['chunks']} chunks by {f['proof_alone']['method']}",
+        ),
     ]
     if s3 is not None:
         s3_note = (
@@ -320,6 +364,15 @@ def print_table(f: dict[str, Any], s3: dict[str, Any] | None, summary: dict[str,
                 f"{s3['push_s']:.2f} s",
                 f"{mbps(s3['bytes'], s3['push_s']):.0f} MB/s",
                 s3_note,
+            ),
+            (
+                "incremental push, s3:// (moto)",
+                f"{s3['incremental_s']:.2f} s",
+                f"proof alone {s3['proof_alone']['seconds'] * 1000:.1f} ms",
+                f"{r['s3_proof_vs_incremental'] * 100:.1f}% of it; the push waited "
+                f"{s3['incremental']['proof_seconds'] * 1000:.1f} ms "
+                f"({r['s3_proof_wait_vs_incremental'] * 100:.1f}%); "
+                f"{s3['proof_alone']['chunks']} chunks by {s3['proof_alone']['method']}",
             ),
         ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpusnap.storage import CheckpointStore, open_store
+from gpusnap.storage import CheckpointStore, ChunkCache, open_store
 from gpusnap.storage.backend import BackendOptions
 
 # The store used when neither --store nor GPUSNAP_STORE names one (see docs).
@@ -93,6 +93,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+_SIZE = re.compile(r"(\d+)\s*([KMG]i?B?|B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def byte_size(text: str) -> int:
+    """``5242881``, ``512KiB``, ``8MiB``, ``1G`` -> bytes (binary units). For argparse."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (use e.g. 8MiB or 5242880)")
+    unit = (match.group(2) or "").upper()[:1]
+    value = int(match.group(1)) * _SIZE_UNITS[unit]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size must be at least 1 byte: {text!r}")
+    return value
+
+
 def store_parser() -> argparse.ArgumentParser:
     """Where the store is and how to reach it; a parent of every ``gpusnap store`` command."""
     p = argparse.ArgumentParser(add_help=False)
@@ -109,6 +125,14 @@ def store_parser() -> argparse.ArgumentParser:
         help="manifest signing key (env GPUSNAP_KEY_FILE); make one with `store keygen`",
     )
     g.add_argument(
+        "--trusted-keys",
+        metavar="PATH",
+        type=Path,
+        action="append",
+        help="a public key file, or a directory of *.pub files, whose signatures this node "
+        "accepts besides its own key's (repeatable; env GPUSNAP_TRUSTED_KEYS, ':'-separated)",
+    )
+    g.add_argument(
         "--encryption-key-file",
         metavar="FILE",
         type=Path,
@@ -123,6 +147,18 @@ def store_parser() -> argparse.ArgumentParser:
         "--sse", choices=("AES256", "aws:kms"), help="S3 server-side encryption for new objects"
     )
     g.add_argument("--sse-kms-key-id", metavar="ID", help="KMS key for --sse aws:kms")
+    g.add_argument(
+        "--multipart-threshold",
+        type=byte_size,
+        metavar="SIZE",
+        help="S3: objects this large or larger go up in parts (e.g. 64MiB; the default)",
+    )
+    g.add_argument(
+        "--multipart-chunksize",
+        type=byte_size,
+        metavar="SIZE",
+        help="S3: the size of each part (at least 5MiB; default 16MiB)",
+    )
     g.add_argument("--cache-dir", metavar="DIR", type=Path, help="local chunk-index cache")
     g.add_argument("--workers", type=positive_int, metavar="N", help="parallel transfers")
     g.add_argument(
@@ -154,6 +190,11 @@ def store_url(args: argparse.Namespace) -> str:
 
 
 def backend_options(args: argparse.Namespace) -> BackendOptions:
+    sizes = {
+        name: value
+        for name in ("multipart_threshold", "multipart_chunksize")
+        if (value := getattr(args, name, None)) is not None
+    }
     return BackendOptions(
         endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
         region=args.region,
@@ -162,11 +203,23 @@ def backend_options(args: argparse.Namespace) -> BackendOptions:
         sse_kms_key_id=args.sse_kms_key_id,
         retry_attempts=_RETRY_ATTEMPTS_CAP if args.retry_for > 0 else 1,
         retry_deadline=args.retry_for if args.retry_for > 0 else None,
+        **sizes,
     )
 
 
-def open_store_from_args(args: argparse.Namespace, *, create: bool = True) -> CheckpointStore:
-    """Open the store the options name; without ``create`` a missing one is ``NotFound``."""
+def trusted_keys(args: argparse.Namespace) -> list[Path]:
+    """``--trusted-keys`` (repeatable), else ``GPUSNAP_TRUSTED_KEYS`` (``:``-separated)."""
+    given: list[Path] | None = getattr(args, "trusted_keys", None)
+    if given:
+        return given
+    return [Path(p) for p in os.environ.get("GPUSNAP_TRUSTED_KEYS", "").split(":") if p]
+
+
+def open_store_from_args(
+    args: argparse.Namespace, *, create: bool = True, chunk_cache: ChunkCache | None = None
+) -> CheckpointStore:
+    """Open the store the options name; without ``create`` a missing one is ``NotFound``.
+    ``chunk_cache``: the node's chunk cache, for a pull (the caller closes it)."""
     return open_store(
         store_url(args),
         key_file=_env_path(args.key_file, "GPUSNAP_KEY_FILE"),
@@ -175,6 +228,8 @@ def open_store_from_args(args: argparse.Namespace, *, create: bool = True) -> Ch
         verify=not args.insecure_skip_verify,
         cache_dir=args.cache_dir,
         workers=args.workers,
+        trusted_keys=trusted_keys(args),
+        chunk_cache=chunk_cache,
     )
 
 

@@ -21,7 +21,7 @@ import sys
 import traceback
 
 from gpusnap import __version__
-from gpusnap.cli import daemon_cmds, plan, store_cmds, trigger_cmds
+from gpusnap.cli import cache_cmds, daemon_cmds, plan, store_cmds, trigger_cmds
 from gpusnap.cli._common import common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
@@ -29,6 +29,7 @@ from gpusnap.errors import EXIT_FAILURE, GpusnapError
 # Every command module, in the order `gpusnap --help` lists their commands.
 COMMAND_MODULES = (
     store_cmds,
+    cache_cmds,
     plan,
     daemon_cmds,
     trigger_cmds,

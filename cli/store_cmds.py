@@ -1,4 +1,5 @@
-"""``gpusnap store …``: push, pull, list, show, verify and gc a checkpoint store directly.
+"""``gpusnap store …``: push, pull, list, show, verify and gc a checkpoint store directly;
+make and show signing keys (``keygen``, ``pubkey``).
 
 These commands need no daemon. The store is named by ``--store URL`` or ``GPUSNAP_STORE``
 (default ``file:///var/lib/gpusnap/store``); see ``_common.store_parser`` for the rest.
@@ -25,6 +26,7 @@ from gpusnap.cli._common import (
     store_parser,
 )
 from gpusnap.cli._output import ProgressBar, emit, human_bytes, out, print_json, render_table, when
+from gpusnap.cli.cache_cmds import open_pull_cache
 from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_INTEGRITY,
@@ -35,7 +37,14 @@ from gpusnap.errors import (
     NotFound,
     exit_code_for,
 )
-from gpusnap.storage import CheckpointStore, generate_encryption_key, generate_signing_key
+from gpusnap.storage import (
+    CheckpointStore,
+    export_public_key,
+    generate_encryption_key,
+    generate_signing_key,
+    public_key_path,
+)
+from gpusnap.storage.keys import load_signing_key
 
 Progress = Callable[[int, int], None]
 
@@ -61,10 +70,26 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("dir", type=_path_arg, metavar="DIR", help="directory to upload")
     p.add_argument("--workload", required=True, metavar="NAME", help="workload name")
     p.add_argument("--parent", metavar="ID", help="checkpoint this one follows")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="upload every chunk, whatever the local index says (replaces damaged objects)",
+    )
 
     p = add_command(sub, "pull", cmd_pull, "download a checkpoint into a directory", parents)
     p.add_argument("checkpoint_id", metavar="ID")
     p.add_argument("dest", type=_path_arg, metavar="DEST", help="destination directory")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="neither read nor fill the node's chunk cache",
+    )
+    p.epilog = (
+        "Chunks come from the node's chunk cache first: the one in --cache-dir (which then "
+        "also holds the chunk index), else GPUSNAP_CACHE_DIR, else the daemon's "
+        "/var/lib/gpusnap/cache where it exists. Every cached chunk is verified like a "
+        "store's; --json reports bytes_fetched (from the store) and bytes_cached."
+    )
 
     p = add_command(sub, "ls", cmd_ls, "list checkpoints, newest first", parents)
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
@@ -101,12 +126,18 @@ def register(subparsers: Subparsers) -> None:
         sub,
         "keygen",
         cmd_keygen,
-        "create a manifest signing key (or, with --encryption, a chunk encryption key)",
+        "create this node's signing key and FILE.pub beside it (or, with --encryption, a "
+        "chunk encryption key)",
     )
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="key file to create")
     p.add_argument(
         "--encryption", action="store_true", help="an encryption key instead of a signing key"
     )
+
+    p = add_command(
+        sub, "pubkey", cmd_pubkey, "print the public half of a signing key (PEM) and its key id"
+    )
+    p.add_argument("key", type=_path_arg, metavar="KEY", help="a signing key file (or a .pub)")
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -153,7 +184,9 @@ def cmd_push(args: argparse.Namespace) -> int:
     with _opened(args, create=True) as store, _progress(args, "push") as progress:
         if args.parent is not None:
             store.manifest(args.parent)  # NotFound (3) / Corrupt (4) before any upload
-        result = store.push(src, workload=args.workload, parent=args.parent, progress=progress)
+        result = store.push(
+            src, workload=args.workload, parent=args.parent, progress=progress, full=args.full
+        )
     if args.json:
         print_json(result.as_dict())
         return EXIT_OK
@@ -164,17 +197,38 @@ def cmd_push(args: argparse.Namespace) -> int:
         f"uploaded {human_bytes(result.bytes_uploaded)} in {result.chunks_uploaded} new chunks "
         f"({result.seconds:.1f} s)",
     )
+    if result.chunks_reuploaded:
+        sys.stderr.write(
+            f"gpusnap: warning: {result.chunks_reuploaded} chunk(s) the local index listed were "
+            "not in the store; uploaded again (was the store recreated, restored or pruned by "
+            "hand? `gpusnap store verify --all` names damaged checkpoints)\n"
+        )
     return EXIT_OK
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    with _opened(args) as store, _progress(args, "pull") as progress:
-        result = store.pull(args.checkpoint_id, args.dest, progress=progress)
+    cache = open_pull_cache(args.cache_dir, disabled=args.no_cache)
+    try:
+        store = open_store_from_args(args, create=False, chunk_cache=cache)
+        try:
+            with _progress(args, "pull") as progress:
+                result = store.pull(args.checkpoint_id, args.dest, progress=progress)
+        finally:
+            store.close()
+    finally:
+        if cache is not None:
+            cache.close()
     if args.json:
         print_json(result.as_dict())
         return EXIT_OK
     size = human_bytes(result.bytes_total)
-    _note(args, f"pulled {args.checkpoint_id} ({size}, {result.seconds:.1f} s)")
+    where = (
+        f"; {human_bytes(result.bytes_fetched)} from the store, "
+        f"{human_bytes(result.bytes_cached)} from the cache"
+        if cache is not None
+        else ""
+    )
+    _note(args, f"pulled {args.checkpoint_id} ({size}, {result.seconds:.1f} s{where})")
     out(str(args.dest))
     return EXIT_OK
 
@@ -277,12 +331,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report.as_dict())
     else:
-        checked = len(report.checkpoints)
-        if not problems:
-            note = " (data re-read)" if args.read_data else ""
-            out(f"ok: {checked} checkpoint(s), {report.chunks_checked} chunks verified{note}")
+        what = f"{len(report.checkpoints)} checkpoint(s), {report.chunks_checked} {report.checked}"
+        if not args.read_data:
+            what += " (not read back; --read-data re-hashes every chunk)"
+        out(f"{'ok' if not problems else 'checked'}: {what}")
         for problem in problems:
             out(f"problem: {problem}")
+        for warning in report.warnings:
+            out(f"warning: {warning}")
+        if report.index_dropped:
+            out(
+                f"the local chunk index forgot {report.index_dropped} chunk(s): the next push "
+                "of the same data uploads them again, which repairs every checkpoint above"
+            )
     if problems:
         sys.stderr.write(f"gpusnap: error: verify found {len(problems)} problem(s)\n")
         return EXIT_INTEGRITY
@@ -321,6 +382,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         )
     for problem in report.problems:
         out(f"problem: {problem}")
+    for untrusted in report.untrusted:
+        out(f"untrusted: {untrusted}; this node does not trust its signer and leaves it alone")
     if report.problems:
         sys.stderr.write(f"gpusnap: error: gc found {len(report.problems)} problem(s)\n")
     return code
@@ -328,16 +391,35 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     path: Path = args.out
-    if path.exists() or path.is_symlink():
-        raise AlreadyExists(f"{path} exists; refusing to overwrite a key")
+    public = None if args.encryption else public_key_path(path)
+    for target in (path, public):
+        if target is not None and (target.exists() or target.is_symlink()):
+            raise AlreadyExists(f"{target} exists; refusing to overwrite a key")
     if args.encryption:
         generate_encryption_key(path)
     else:
         generate_signing_key(path)
     os.chmod(path, 0o600)
     kind = "encryption" if args.encryption else "signing"
-    return emit(
-        args.json,
-        {"key_file": str(path), "kind": kind},
-        lambda: f"wrote {kind} key to {path} (mode 0600); keep it secret",
-    )
+    data: dict[str, Any] = {"key_file": str(path), "kind": kind}
+    text = f"wrote {kind} key to {path} (mode 0600); keep it secret"
+    if public is not None:
+        export_public_key(path, public)
+        key_id = load_signing_key(public).key_id
+        data.update(public_key_file=str(public), key_id=key_id)
+        text += (
+            f"\nwrote its public key to {public} (key id {key_id}); other nodes trust this "
+            "node's checkpoints by adding it to their trusted keys"
+        )
+    return emit(args.json, data, lambda: text)
+
+
+def cmd_pubkey(args: argparse.Namespace) -> int:
+    key = load_signing_key(args.key)
+    pem = key.public_pem().decode()
+    if args.json:
+        print_json({"key_file": str(args.key), "key_id": key.key_id, "public_key": pem})
+        return EXIT_OK
+    sys.stdout.write(pem)
+    _note(args, f"key id {key.key_id}")
+    return EXIT_OK

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusnap.daemon.config_table import Table
-from gpusnap.daemon.hooks import WorkloadHooks, parse_hooks
+from gpusnap.daemon.hooks_config import WorkloadHooks, parse_hooks
 from gpusnap.daemon.reclaim.config import (
     POLICY_KEYS,
     MigrationConfig,
@@ -31,7 +31,7 @@ from gpusnap.daemon.reclaim.config import (
 )
 from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage.backend import BackendOptions, registered_schemes
-from gpusnap.storage.keys import load_encryption_key, load_signing_key
+from gpusnap.storage.keys import load_encryption_key, load_signing_key, load_trusted_keys
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpusnap/gpusnapd.toml")
 DEFAULT_SOCKET = "/run/gpusnap/gpusnapd.sock"
@@ -82,6 +82,9 @@ class StoreSection:
     compress: bool | None = None  # None: the store decides
     verify: bool = True
     options: BackendOptions = field(default_factory=BackendOptions)
+    # Public keys (files, or directories of *.pub) whose signatures this node accepts besides
+    # its own key's: other nodes', and retired keys whose checkpoints must still restore.
+    trusted_keys: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,10 @@ def check_key_files(store: StoreSection) -> None:
             loader(path)
         except GpusnapError as err:
             raise InvalidArgument(f"config: [store] {key}: {err}") from err
+    try:
+        load_trusted_keys(store.trusted_keys)
+    except GpusnapError as err:
+        raise InvalidArgument(f"config: [store] trusted_keys: {err}") from err
 
 
 def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config:
@@ -283,6 +290,7 @@ def _parse_store(t: Table) -> StoreSection:
         compress=t.boolean("compress"),
         verify=_or(t.boolean("verify"), True),
         options=options,
+        trusted_keys=tuple(Path(p) for p in t.string_list("trusted_keys") or ()),
     )
     t.done()
     return section

@@ -37,13 +37,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpusnap.daemon.config_table import Table
+from gpusnap.daemon.hooks_config import Hook, WorkloadHooks
 from gpusnap.daemon.host import proctree
-from gpusnap.errors import FailedPrecondition, InvalidArgument
+from gpusnap.errors import FailedPrecondition
 
 if TYPE_CHECKING:
     from gpusnap.daemon.config import WorkloadConfig
@@ -51,56 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HOOK_NAMES = ("pre_checkpoint", "post_thaw", "post_restore")
-DEFAULT_TIMEOUT_S = 30.0
 OUTPUT_TAIL = 2000  # characters of a hook's output kept in the job's result
-
-
-@dataclass(frozen=True)
-class Hook:
-    name: str
-    command: tuple[str, ...]
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class WorkloadHooks:
-    """A workload's hooks (``[[workload]] hooks``), by name; absent ones are None."""
-
-    pre_checkpoint: Hook | None = None
-    post_thaw: Hook | None = None
-    post_restore: Hook | None = None
-
-    def get(self, name: str) -> Hook | None:
-        hook: Hook | None = getattr(self, name)
-        return hook
-
-
-def parse_hooks(workload: Table) -> WorkloadHooks | None:
-    """The ``hooks`` key of a ``[[workload]]`` table, checked; None when it has none."""
-    if workload.get("hooks") is None:
-        return None
-    t: Table = workload.table("hooks")
-    default = t.number("timeout_s", minimum=0.001) or DEFAULT_TIMEOUT_S
-    found: dict[str, Hook] = {}
-    for name in HOOK_NAMES:
-        raw = t.get(name)
-        if raw is None:
-            continue
-        if isinstance(raw, dict):
-            sub: Table = t.table(name)
-            command = sub.string_list("command", required=True) or []
-            timeout = sub.number("timeout_s", minimum=0.001) or default
-            sub.done()
-        elif isinstance(raw, list):
-            command, timeout = t.string_list(name) or [], default
-        else:
-            raise t.bad(name, 'must be a command ["prog", "arg", ...] or { command, timeout_s }')
-        if not command or not command[0]:
-            raise InvalidArgument(f"{t.where}: key '{name}': the command must not be empty")
-        found[name] = Hook(name, tuple(command), timeout)
-    t.done()
-    return WorkloadHooks(**found)
 
 
 def run_hook(hook: Hook, log_path: Path, env: dict[str, str]) -> dict[str, Any]:

@@ -50,6 +50,7 @@ class StoreHandle:
                         encryption_key_file=s.encryption_key_file,
                         options=s.options,
                         verify=s.verify,
+                        trusted_keys=s.trusted_keys,
                         cache_dir=s.cache_dir or (self._config.daemon.state_dir / "cache"),
                         workers=s.workers,
                     )

@@ -6,12 +6,12 @@ chunk index, the worker pools and the tunables of the lock protocol. Each operat
 function whose first argument is the context and which uses only the parts it names: none
 calls back into ``CheckpointStore``, which only holds a context and delegates to them.
 
-``open_context`` builds one, in this order: keys and options (given), codec and chunker, the
-index, then the pools (last: nothing is left running when an earlier step fails). A later
-part that depends on what the store itself says -- a signed config object giving the store's
-id and its chunking parameters, read once at open (issue 12) -- is read right after the
-backend is given and before the index is opened, becomes a field here, and keys the index
-(``index.default_cache_dir``); the keys part grows the set of public keys a node trusts.
+``open_context`` builds one, in this order: keys and options (given), the store's identity
+(one GET of its signed ``config``, ``identity.py``: its id and chunking parameters), codec
+and chunker (the store's chunk sizes where it has a config), the index (bound to the store
+id: an index of another store is emptied), then the pools (last: nothing is left running
+when an earlier step fails). Which signatures the node accepts is the keys' (``StoreKeys``:
+its own key and its trusted public keys).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.storage.backend import Backend
+from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.identity import IdentityCell, StoreIdentity, read_identity
 from gpusnap.storage.index import ChunkIndex, default_cache_dir
 from gpusnap.storage.keys import StoreKeys
 
@@ -81,7 +83,15 @@ class StoreContext:
     chunker: Chunker
     index: ChunkIndex
     pools: Pools
+    identity: IdentityCell
     options: StoreOptions = StoreOptions()
+    # This store's part of the node's chunk cache (``storage/cache``), when there is one.
+    cache: StoreCache | None = None
+
+    @property
+    def store_identity(self) -> StoreIdentity | None:
+        """The store's identity as last read (``None``: it has no usable config yet)."""
+        return self.identity.get()
 
     @property
     def local(self) -> bool:
@@ -102,17 +112,53 @@ def open_context(
     workers: int | None = None,
     chunker: Chunker | None = None,
     options: StoreOptions | None = None,
+    chunk_cache: ChunkCache | None = None,
 ) -> StoreContext:
-    """The context of the store on ``backend``; the backend is the caller's to close on error."""
-    chunker = chunker or Chunker()
+    """The context of the store on ``backend``; the backend is the caller's to close on error.
+
+    ``chunk_cache`` (the node's, the caller's to close) is read before the store and filled
+    from it; the context uses this store's scope of it only (``cache_key``).
+    """
+    found = read_identity(backend, keys)
+    if chunker is None:
+        chunker = Chunker(found.identity.chunking) if found.identity else Chunker()
     cache = cache_dir or default_cache_dir(backend.url)
+    codec = ChunkCodec(keys.encryption)
     index = ChunkIndex(cache / "index.sqlite", backend.url)
+    try:
+        # Only an authenticated identity rebinds (and so may empty) the index here: a reader
+        # that cannot check the config (no key, say) leaves it to the next push.
+        if found.identity is not None:
+            index.bind(found.identity.store_id)
+        pools = Pools.start(workers or (os.cpu_count() or 2), chunker.params.max_size)
+    except BaseException:
+        index.close()
+        raise
     return StoreContext(
         backend=backend,
         keys=keys,
-        codec=ChunkCodec(keys.encryption),
+        codec=codec,
         chunker=chunker,
         index=index,
-        pools=Pools.start(workers or (os.cpu_count() or 2), chunker.params.max_size),
+        pools=pools,
+        identity=IdentityCell(found),
         options=options or StoreOptions(),
+        cache=None if chunk_cache is None else _store_cache(chunk_cache, backend, codec),
     )
+
+
+def cache_key(backend: Backend) -> str:
+    """What the node's chunk cache knows this store by: its URL. Not the store id (issue 12):
+    the cache only ever serves objects that are verified against their chunk id on every
+    read, so it needs no identity to be safe, and keying it by the id would throw away every
+    cached object of a store that gets (or changes) one: a migrated store, or one recreated
+    while this node still holds the chunks its checkpoints need."""
+    return backend.url
+
+
+def _store_cache(cache: ChunkCache, backend: Backend, codec: ChunkCodec) -> StoreCache:
+    # The id the store would give a fixed string: the same for every reader with the same
+    # chunk-naming key (none, or the encryption key), different for any other, and saying
+    # nothing about the key. Objects read with another key never meet this one's.
+    fingerprint = codec.chunk_id(b"gpusnap chunk cache scope")
+    return StoreCache.open(cache, cache_key(backend), fingerprint, backend.url)

@@ -20,6 +20,7 @@ from gpusnap.errors import Corrupt, FailedPrecondition, GpusnapError, InvalidArg
 from gpusnap.storage.backend import ObjectInfo, release_space_reserve, restore_space_reserve
 from gpusnap.storage.catalog import read_manifest
 from gpusnap.storage.context import StoreContext
+from gpusnap.storage.keys import UntrustedSigner
 from gpusnap.storage.layout import (
     CHUNK_PREFIX,
     MANIFEST_PREFIX,
@@ -42,6 +43,10 @@ class GcReport:
     blocked_by: list[str] = field(default_factory=list)
     stale_locks_removed: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # Manifests signed by a key this node does not trust: never deleted by it, their chunks
+    # kept, and not counted by retention (an untrusted checkpoint may not push out a trusted
+    # one; a node that does not trust a signer has no say over that signer's checkpoints).
+    untrusted: list[str] = field(default_factory=list)
     # The store's disk was full: gc released its space reserve to record itself.
     reserve_released: bool = False
     # After this gc the store has no space reserve (no room to recreate it yet).
@@ -159,6 +164,9 @@ def _gc_retention(ctx: StoreContext, report: GcReport, keep_last: int, dry_run: 
             continue
         try:
             created = read_manifest(ctx, info.key).created_at
+        except UntrustedSigner as exc:
+            report.untrusted.append(f"{info.key}: signed by key {exc.key_id} (kept)")
+            continue
         except (Corrupt, NotFound, FailedPrecondition) as exc:
             report.problems.append(f"{info.key}: {exc} (kept)")
             continue

@@ -1,9 +1,14 @@
 """The local chunk index: which chunks a store holds, without asking the store per chunk.
 
-It is a cache, never the truth. It lives in SQLite under the cache directory, keyed by the
-store URL, and is rebuilt from one LIST of the store's ``chunks/`` prefix (``rebuild_index``)
-when it is missing, when a gc may have removed chunks since it was last synchronised (see
-``locks.py``), or on request.
+It is a hint, never the truth (docs/design.md, "The local chunk index"): a push skips what it
+lists, then proves before committing that every chunk it skipped is in the store
+(``confirm.py``). It lives in SQLite under the cache directory and records the id of the
+store it describes (``bind``): opened for a store with another id (the store was recreated
+under the same URL) it forgets every entry. It is rebuilt from one LIST of the store's
+``chunks/`` prefix (``rebuild_index``) when it is new or was emptied, when a gc may have
+removed chunks since it was last synchronised (see ``locks.py``), or on request. Chunks
+``verify`` found missing are dropped; chunks it found corrupt are marked *bad*, so the next
+push uploads them again (replacing the object) even though a LIST still shows them.
 
 Pending entries: a chunk put that returned is not yet durable on a backend that defers
 durability (``file://``: no fsync per chunk; one ``sync`` before the manifest). Its entry is
@@ -53,6 +58,8 @@ class ChunkIndex:
     """A thread-safe set of chunk ids known to be in one store."""
 
     def __init__(self, path: Path, store_url: str, *, boot_id: str | None = None) -> None:
+        # ``store_url`` is recorded for people reading the file; what the index is trusted
+        # for is decided by the store id it is bound to (``bind``), not by where it is.
         self.path = path
         self.boot_id = boot_id or current_boot_id()
         # Pending marks are "<boot id>/<process token>-<serial>": unique per add.
@@ -69,6 +76,7 @@ class ChunkIndex:
                     "CREATE TABLE IF NOT EXISTS chunks (id TEXT PRIMARY KEY, size INTEGER)"
                 )
                 self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
+                self._db.execute("CREATE TABLE IF NOT EXISTS bad (id TEXT PRIMARY KEY)")
                 columns = {row[1] for row in self._db.execute("PRAGMA table_info(chunks)")}
                 if "pending" not in columns:  # an index made before pending entries existed
                     self._db.execute("ALTER TABLE chunks ADD COLUMN pending TEXT")
@@ -82,13 +90,7 @@ class ChunkIndex:
                     path,
                     forgotten,
                 )
-            stored_url = self._meta("store_url")
-            if stored_url is None:
-                self._set_meta("store_url", store_url)
-            elif stored_url != store_url:
-                raise FailedPrecondition(
-                    f"chunk index {path} belongs to store {stored_url}, not {store_url}"
-                )
+            self._set_meta("store_url", store_url)
         except sqlite3.Error as exc:
             raise FailedPrecondition(f"cannot open chunk index {path}: {exc}") from exc
         except OSError as exc:
@@ -103,6 +105,32 @@ class ChunkIndex:
     def _set_meta(self, key: str, value: str) -> None:
         with self._db:
             self._db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (key, value))
+
+    @property
+    def store_id(self) -> str | None:
+        """The id of the store this index describes (``None``: not bound yet)."""
+        with self._lock:
+            return self._meta("store_id")
+
+    def bind(self, store_id: str) -> bool:
+        """Make this the index of store ``store_id``; ``True`` if it described another one
+        (or none) and so was emptied: its entries said nothing about this store.
+
+        Pending entries stay (their puts returned on this boot and the next sync must still
+        cover them); like every entry they are only a hint that the proof checks.
+        """
+        with self._lock, self._db:
+            if self._meta("store_id") == store_id:
+                return False
+            had = self._db.execute("DELETE FROM chunks WHERE pending IS NULL").rowcount
+            self._db.execute("DELETE FROM bad")
+            self._db.execute("DELETE FROM meta WHERE k = 'synced_at'")
+            self._db.execute(
+                "INSERT OR REPLACE INTO meta (k, v) VALUES ('store_id', ?)", (store_id,)
+            )
+        if had:
+            log.info("chunk index %s: forgot %d chunks of another store", self.path, had)
+        return True
 
     @property
     def synced_at(self) -> float | None:
@@ -123,6 +151,7 @@ class ChunkIndex:
                 "INSERT OR REPLACE INTO chunks (id, size, pending) VALUES (?, ?, ?)",
                 (chunk_id, size, self._pending_mark() if pending else None),
             )
+            self._db.execute("DELETE FROM bad WHERE id = ?", (chunk_id,))
 
     def _pending_mark(self) -> str:
         return f"{self.boot_id}/{self._token}-{next(self._serial)}"
@@ -148,19 +177,34 @@ class ChunkIndex:
             )
 
     def discard(self, chunk_ids: Iterable[str]) -> None:
+        """Forget chunks (gc deleted them, or the store turned out not to hold them)."""
         with self._lock, self._db:
             self._db.executemany("DELETE FROM chunks WHERE id = ?", ((i,) for i in chunk_ids))
 
+    def mark_bad(self, chunk_ids: Iterable[str]) -> None:
+        """Chunks whose object is in the store but damaged: never skipped again (a LIST
+        still shows them) until a push has put them afresh, replacing the object."""
+        ids = [(i,) for i in chunk_ids]
+        with self._lock, self._db:
+            self._db.executemany("DELETE FROM chunks WHERE id = ?", ids)
+            self._db.executemany("INSERT OR IGNORE INTO bad (id) VALUES (?)", ids)
+
     def replace_all(self, entries: Iterable[tuple[str, int]], synced_at: float) -> int:
-        """Make the index exactly ``entries`` (one LIST of the store), as of ``synced_at``.
+        """Make the durable entries exactly ``entries`` (one LIST), as of ``synced_at``.
 
         The caller syncs the backend between the LIST and this call, so that every listed
-        object is durable and none is pending.
+        object is durable. Pending entries the LIST did not show stay pending: a push of
+        this boot put them after the LIST, and its sync must still cover them. Chunks marked
+        bad are left out: the LIST shows a damaged object as well as a good one.
         """
         rows = list(entries)
         with self._lock, self._db:
-            self._db.execute("DELETE FROM chunks")
-            self._db.executemany("INSERT OR REPLACE INTO chunks (id, size) VALUES (?, ?)", rows)
+            self._db.execute("DELETE FROM chunks WHERE pending IS NULL")
+            bad = {str(r[0]) for r in self._db.execute("SELECT id FROM bad")}
+            rows = [r for r in rows if r[0] not in bad]
+            self._db.executemany(
+                "INSERT OR REPLACE INTO chunks (id, size, pending) VALUES (?, ?, NULL)", rows
+            )
             self._db.execute(
                 "INSERT OR REPLACE INTO meta (k, v) VALUES ('synced_at', ?)", (repr(synced_at),)
             )

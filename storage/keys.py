@@ -1,10 +1,14 @@
-"""Key files: the Ed25519 signing key that authenticates manifests, and the encryption key.
+"""Key files: the Ed25519 signing keys that authenticate manifests, and the encryption key.
 
-Two files, two jobs:
+Two kinds of file, two jobs:
 
-- the **signing key** is an Ed25519 key in PEM. A node that pushes needs the private key; a
-  node that only restores may hold just the public key (PEM ``PUBLIC KEY``) and can then read
-  and verify but not push;
+- a **signing key** is an Ed25519 key in PEM. Each node that pushes holds its own private key
+  (``gpusnap store keygen`` writes it and its public half beside it, ``KEY.pub``); a node that
+  only restores may hold just a public key and can then read and verify but not push. What a
+  node accepts is its own key plus its **trusted keys** (public keys, files or directories of
+  ``*.pub``): an envelope names the key that signed it (``key_id``), and one signed by a key
+  outside that set is refused (``UntrustedSigner``, exit 4) -- which is how a retired or
+  stolen key is revoked (docs/design.md, "Threat model");
 - the **encryption key** is 32 random bytes. Everything secret is derived from it with
   BLAKE3's key-derivation mode, one context string per use, so the chunk-naming key, the
   chunk cipher key and the manifest cipher key are independent.
@@ -17,6 +21,7 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,12 +83,24 @@ def generate_encryption_key(path: Path) -> None:
 
 
 def export_public_key(private_key_file: Path, path: Path) -> None:
-    """Write the public half of a signing key, for nodes that only verify."""
-    signer = load_signing_key(private_key_file)
-    pem = signer.public_key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    path.write_bytes(pem)
+    """Write the public half of a signing key, for nodes that only verify or trust it."""
+    pem = load_signing_key(private_key_file).public_pem()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError as exc:
+        raise InvalidArgument(f"public key file {path} exists; refusing to overwrite") from exc
+    except OSError as exc:
+        raise InvalidArgument(f"cannot create public key file {path}: {exc.strerror}") from exc
+    try:
+        os.write(fd, pem)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def public_key_path(private_key_file: Path) -> Path:
+    """Where ``gpusnap store keygen`` writes a key's public half: ``KEY.pub`` beside ``KEY``."""
+    return private_key_file.with_name(private_key_file.name + ".pub")
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,12 @@ class SigningKey:
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
         return blake3(raw).hexdigest()[:16]
+
+    def public_pem(self) -> bytes:
+        """The public key as PEM (``SubjectPublicKeyInfo``): what other nodes trust."""
+        return self.public_key.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
 
     def sign(self, message: bytes) -> bytes:
         if self.private_key is None:
@@ -138,6 +161,49 @@ def load_signing_key(path: Path) -> SigningKey:
     if not isinstance(public, Ed25519PublicKey):
         raise InvalidArgument(f"signing key file {path} is not an Ed25519 key")
     return SigningKey(public, None)
+
+
+# The names ``load_trusted_keys`` takes from a directory of public keys.
+PUBLIC_KEY_SUFFIX = ".pub"
+
+
+def load_public_key(path: Path) -> SigningKey:
+    """A PEM Ed25519 public key file; a private key is refused (it would spread a secret)."""
+    data = _read_key_file(path, "trusted key")
+    if b"PRIVATE KEY" in data:
+        raise InvalidArgument(
+            f"trusted key file {path} holds a private key; trust its public half "
+            f"(`gpusnap store pubkey {path}`), never copy a private key to other nodes"
+        )
+    key = load_signing_key(path)
+    return SigningKey(key.public_key, None)
+
+
+def load_trusted_keys(paths: Iterable[Path]) -> tuple[SigningKey, ...]:
+    """The public keys named by ``paths``: each a key file, or a directory whose ``*.pub``
+    files are read (other names are left alone). Duplicates count once."""
+    found: dict[str, SigningKey] = {}
+    for path in paths:
+        if path.is_dir():
+            try:
+                names = sorted(os.listdir(path))
+            except OSError as exc:
+                raise InvalidArgument(f"cannot list trusted keys {path}: {exc.strerror}") from exc
+            files = [path / n for n in names if n.endswith(PUBLIC_KEY_SUFFIX)]
+        else:
+            files = [path]
+        for file in files:
+            key = load_public_key(file)
+            found.setdefault(key.key_id, key)
+    return tuple(found.values())
+
+
+class UntrustedSigner(Corrupt):
+    """An envelope is signed by a key this node does not trust (revoked, or a stranger's)."""
+
+    def __init__(self, message: str, key_id: str | None = None) -> None:
+        super().__init__(message)
+        self.key_id = key_id
 
 
 class EncryptionKeys:
@@ -210,8 +276,13 @@ def unseal(
     encryption: EncryptionKeys | None,
     verify: bool,
     what: str,
+    trusted: Mapping[str, SigningKey] | None = None,
 ) -> bytes:
-    """Check and open an envelope made by ``seal``; ``Corrupt`` naming ``what`` if it is bad."""
+    """Check and open an envelope made by ``seal``; ``Corrupt`` naming ``what`` if it is bad.
+
+    The signature must be by ``signer`` or one of ``trusted`` (by key id); any other signer
+    is ``UntrustedSigner`` naming its key id.
+    """
     try:
         envelope = json.loads(blob)
         if not isinstance(envelope, dict) or envelope.get("format") != kind:
@@ -223,19 +294,28 @@ def unseal(
     except (ValueError, KeyError, TypeError) as exc:
         raise Corrupt(f"{what} is not a readable {kind} envelope") from exc
     if verify:
-        if signer is None:
+        accepted = dict(trusted or {})
+        if signer is not None:
+            accepted[signer.key_id] = signer
+        if not accepted:
             raise FailedPrecondition(
                 f"cannot verify {what}: no signing key file given (or turn verification off)"
             )
         if not signature_b64:
             raise Corrupt(f"{what} is not signed")
-        if key_id != signer.key_id:
-            raise Corrupt(f"{what} is signed by key {key_id}, not by this store's key")
+        checker = accepted.get(str(key_id))
+        if checker is None:
+            raise UntrustedSigner(
+                f"{what} is signed by key {key_id}, which this node does not trust "
+                f"(trusted: {', '.join(accepted)}; add the signer's public key to the "
+                "trusted keys to accept it)",
+                str(key_id),
+            )
         try:
             signature = base64.b64decode(signature_b64, validate=True)
         except (ValueError, TypeError) as exc:
             raise Corrupt(f"{what} has an unreadable signature") from exc
-        if not signer.check(_signed_message(kind, str(enc), body), signature):
+        if not checker.check(_signed_message(kind, str(enc), body), signature):
             raise Corrupt(f"{what} failed its signature check (altered or forged)")
     if enc == "none":
         return body
@@ -253,13 +333,21 @@ def unseal(
 class StoreKeys:
     """The keys one store is opened with, and whether it verifies what it reads.
 
-    Everything the store signs (manifests, records) is sealed and opened here, so that the
-    question "whose signature does this node accept" has one answer.
+    Everything the store signs (manifests, records, the store's config) is sealed and opened
+    here, so that the question "whose signature does this node accept" has one answer: its
+    own key (``signer``) and the public keys in ``trusted``.
     """
 
     signer: SigningKey | None
     encryption: EncryptionKeys | None
     verify: bool = True
+    trusted: tuple[SigningKey, ...] = ()
+
+    @property
+    def trusted_ids(self) -> list[str]:
+        """The key ids whose signatures this node accepts, its own first."""
+        own = [self.signer.key_id] if self.signer is not None else []
+        return own + [k.key_id for k in self.trusted if k.key_id not in own]
 
     def seal(self, kind: str, payload: bytes) -> bytes:
         """``payload`` in an envelope of format ``kind``: encrypted when a key is given, signed."""
@@ -277,6 +365,7 @@ class StoreKeys:
             encryption=self.encryption,
             verify=self.verify if verify is None else verify,
             what=what,
+            trusted={k.key_id: k for k in self.trusted},
         )
 
     def check_can_push(self) -> None:

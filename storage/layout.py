@@ -2,6 +2,7 @@
 
 ::
 
+    config                          the store's signed identity (identity.py), written once
     chunks/<id[:2]>/<id>            chunk objects (codec.py), written once, named by content
     manifests/<workload>/<ckpt id>  signed manifest envelopes, created with if_absent
     locks/push-<ckpt id>            a push in flight (refreshed while it runs; locks.py)
@@ -24,6 +25,8 @@ from __future__ import annotations
 from gpusnap.errors import InvalidArgument
 from gpusnap.storage.manifest import check_workload, is_checkpoint_id, is_workload
 
+# The store's identity: format version, random id, chunking and hashing (identity.py).
+CONFIG_KEY = "config"
 CHUNK_PREFIX = "chunks/"
 MANIFEST_PREFIX = "manifests/"
 LOCK_PREFIX = "locks/"
@@ -33,7 +36,7 @@ GC_RECORD_PREFIX = f"{LOCK_PREFIX}gc-"
 MIGRATION_PREFIX = "migrations/"
 # The prefixes whose objects the store itself writes and interprets: no namespace of signed
 # records may lie under (or over) one of them.
-STORE_PREFIXES = (CHUNK_PREFIX, MANIFEST_PREFIX, LOCK_PREFIX)
+STORE_PREFIXES = (CONFIG_KEY, CHUNK_PREFIX, MANIFEST_PREFIX, LOCK_PREFIX)
 
 # In a ``file://`` store's root, never keys: the space reserve a gc releases on a full disk
 # (docs/design.md, "gc and retention"), and the temp files of puts in flight.
@@ -46,6 +49,17 @@ CHUNK_ID_LENGTH = 64
 def chunk_key(chunk_id: str) -> str:
     """``chunks/<id[:2]>/<id>``: the two-character fan-out keeps directories small."""
     return f"{CHUNK_PREFIX}{chunk_id[:2]}/{chunk_id}"
+
+
+def chunk_list_prefixes(ways: int) -> list[str]:
+    """Prefixes that split a listing of every chunk into ``ways`` (1 or 16) disjoint parts.
+
+    ``chunks/<first hex digit>`` covers the 16 fan-out directories starting with it, so 16
+    listings of about a sixteenth each can run at once.
+    """
+    if ways <= 1:
+        return [CHUNK_PREFIX]
+    return [f"{CHUNK_PREFIX}{digit}" for digit in "0123456789abcdef"]
 
 
 def chunk_id_of_key(key: str) -> str | None:

@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,15 @@ class SourceFile:
 class PushStats(Tally):
     bytes_uploaded: int = 0
     chunks_uploaded: int = 0
+    # Ids this run put, and ids it did not put because the local index listed them: the
+    # latter are what the push must prove are in the store before it commits (confirm.py).
+    put_ids: set[str] = field(default_factory=set)
+    index_skipped: set[str] = field(default_factory=set)
+
+    @property
+    def unproven(self) -> set[str]:
+        """Chunks skipped on the index's word alone (none of them put by this run)."""
+        return self.index_skipped - self.put_ids
 
 
 NamedChunk = tuple[memoryview, str | None]  # a chunk and its id, when already computed
@@ -202,13 +211,15 @@ def push_inputs(
     *,
     compress: bool,
     progress: ProgressFn | None,
+    use_index: bool = True,
 ) -> tuple[list[FileEntry], PushStats]:
     """Chunk, dedup and upload ``inputs`` (files or streams), in order.
 
     Returns their entries once every put has returned. Puts may not be durable yet: the
     caller makes them so (``storage.push.make_durable``) before a manifest names them.
     A stream is consumed exactly once, by the calling thread; an error it raises aborts the
-    push like any other.
+    push like any other. Without ``use_index`` every distinct chunk is put (a full
+    checkpoint: nothing is taken on the index's word).
     """
     # A stream of unknown size counts when it ends (below).
     stats = PushStats(bytes_total=sum(max(0, f.size) for f in inputs))
@@ -232,6 +243,7 @@ def push_inputs(
                 stats.bytes_uploaded += len(data)
                 stats.chunks_uploaded += 1
                 stats.bytes_done += length
+                stats.put_ids.add(chunk_id)
         except BaseException as exc:
             run.fail(translate_error(exc, f"uploading chunk {chunk_id}"))
             raise
@@ -246,8 +258,11 @@ def push_inputs(
             run.raise_if_aborted()
             chunk_id = named if named is not None else codec.chunk_id(view)
             with seen_lock:
-                fresh = chunk_id not in seen and not index.contains(chunk_id)
+                known = chunk_id not in seen and use_index and index.contains(chunk_id)
+                fresh = chunk_id not in seen and not known
                 seen.add(chunk_id)
+                if known:
+                    stats.index_skipped.add(chunk_id)
             if fresh:
                 obj = codec.encode(chunk_id, view, compress=compress)
                 with io_lock:

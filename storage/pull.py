@@ -9,19 +9,25 @@ declares, which re-checks its hash, before anyone sees a byte of it.
 Pull threads: a chunk of a local store is read faster than it decodes, so one thread per core
 both reads and decodes (the CPU pool); a remote store's fetches wait on the network, so many
 run on the I/O pool while decodes still run one per core. Writes run on their own threads.
+
+Every chunk is fetched by ``fetch_chunk``: from the node's chunk cache when the context has
+one and it holds the chunk, else from the store; a cached object that fails to decode is
+dropped and fetched from the store instead, and a store object that decoded is kept in the
+cache. Either way the bytes used are the ones that were just verified.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpusnap.errors import Corrupt, GpusnapError, NotFound
 from gpusnap.storage.catalog import fetch_manifest
@@ -41,6 +47,10 @@ from gpusnap.storage.manifest import FileEntry, Manifest
 from gpusnap.storage.parallel import ByteBudget, ProgressFn, Run, Tally, translate_error
 from gpusnap.storage.streams import stream_kinds
 
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+
 # Threads that write decoded chunks (O_DIRECT writes block; one per file runs at a time).
 _WRITERS = 8
 # Zero grains are looked for in chunks that compressed at least this well.
@@ -51,9 +61,12 @@ _SPARSE_RATIO = 2
 class PullResult:
     checkpoint_id: str
     bytes_total: int
-    bytes_fetched: int
+    bytes_fetched: int  # object bytes read from the store
     chunks_total: int
     seconds: float
+    bytes_cached: int = 0  # object bytes read from the node's chunk cache instead
+    chunks_fetched: int = 0
+    chunks_cached: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,7 +75,19 @@ class PullResult:
 @dataclass
 class PullStats(Tally):
     bytes_fetched: int = 0
+    bytes_cached: int = 0
+    chunks_fetched: int = 0
+    chunks_cached: int = 0
     bytes_direct: int = 0  # written with O_DIRECT
+
+    def count(self, obj_len: int, cached: bool) -> None:
+        with self.lock:
+            if cached:
+                self.bytes_cached += obj_len
+                self.chunks_cached += 1
+            else:
+                self.bytes_fetched += obj_len
+                self.chunks_fetched += 1
 
 
 def pull(
@@ -89,6 +114,9 @@ def pull(
         stats.bytes_fetched,
         stats.chunks_total,
         time.monotonic() - started,
+        bytes_cached=stats.bytes_cached,
+        chunks_fetched=stats.chunks_fetched,
+        chunks_cached=stats.chunks_cached,
     )
 
 
@@ -108,6 +136,35 @@ def _missing(chunk_id: str, exc: NotFound) -> Corrupt:
     return Corrupt(f"chunk {chunk_id} is missing from the store ({exc})")
 
 
+def fetch_chunk(
+    ctx: StoreContext, chunk_id: str, decode: Callable[[bytes], _R]
+) -> tuple[_R, int, bool]:
+    """``decode(object)`` of one chunk, its object's size, and whether it came from the cache.
+
+    ``decode`` verifies (``ChunkCodec.decode``/``decode_into``) and raises ``Corrupt`` when
+    the object is bad. The node's chunk cache is asked first; a cached object that fails is
+    dropped and the store's is used instead, and the store's is kept in the cache only once
+    it decoded, so nothing unverified is ever cached or used. A chunk the store lacks is
+    ``Corrupt`` (the manifest names it).
+    """
+    cache = ctx.cache
+    if cache is not None:
+        obj = cache.get(chunk_id)
+        if obj is not None:
+            try:
+                return decode(obj), len(obj), True
+            except Corrupt as exc:
+                cache.discard(chunk_id, str(exc))
+    try:
+        obj = ctx.backend.get(chunk_key(chunk_id))
+    except NotFound as exc:
+        raise _missing(chunk_id, exc) from None
+    value = decode(obj)
+    if cache is not None:
+        cache.put(chunk_id, obj)
+    return value, len(obj), False
+
+
 def read_entry(ctx: StoreContext, entry: FileEntry) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(offset, bytes)`` of one entry's chunks, in order, each verified before it is given.
 
@@ -117,11 +174,10 @@ def read_entry(ctx: StoreContext, entry: FileEntry) -> Iterator[tuple[int, bytes
     """
 
     def fetch(chunk_id: str, size: int) -> bytes | memoryview:
-        try:
-            obj = ctx.backend.get(chunk_key(chunk_id))
-        except NotFound as exc:
-            raise _missing(chunk_id, exc) from None
-        return ctx.codec.decode(chunk_id, obj, size)
+        content, _size, _cached = fetch_chunk(
+            ctx, chunk_id, lambda obj: ctx.codec.decode(chunk_id, obj, size)
+        )
+        return content
 
     window: list[tuple[int, int, Future[bytes | memoryview]]] = []
     in_flight = 0
@@ -169,7 +225,7 @@ def pull_files(
     stats = PullStats(bytes_total=manifest.bytes_total)
     stats.chunks_total = sum(len(f.chunks) for f in manifest.files)
     destination = Destination(dest, check_targets(manifest, dest))  # checked before any write
-    backend, codec = ctx.backend, ctx.codec
+    codec = ctx.codec
     fetcher = ctx.pools.cpu if ctx.local else ctx.pools.io
     run = Run()
     budget = ByteBudget(ctx.pools.budget_bytes)
@@ -244,29 +300,31 @@ def pull_files(
             size = sizes[chunk_id]
             buf = None
             handed = False
-            try:
-                if run.abort.is_set():
-                    return
-                obj = backend.get(chunk_key(chunk_id))
-                shift = places[chunk_id][0][1] % ALIGN
+            shift = places[chunk_id][0][1] % ALIGN
+
+            def decode(obj: bytes) -> None:
+                nonlocal buf
                 with decoding:  # fetches overlap freely; decodes run one per core
-                    if run.abort.is_set():
-                        return
-                    buf = buffers.take()
+                    run.raise_if_aborted()
+                    if buf is None:
+                        buf = buffers.take()
                     out = memoryview(buf)[shift : shift + size]
                     try:
                         codec.decode_into(chunk_id, obj, out)  # verified before any use
                     finally:
                         out.release()
-                with stats.lock:
-                    stats.bytes_fetched += len(obj)
+
+            try:
+                if run.abort.is_set():
+                    return
+                _none, obj_len, cached = fetch_chunk(ctx, chunk_id, decode)
+                assert buf is not None
+                stats.count(obj_len, cached)
                 # Writes block (O_DIRECT, one at a time per file): on their own threads, so
                 # that decoding goes on meanwhile, within the byte budget.
                 with writes_lock:
-                    writes.append(writer.submit(write, chunk_id, len(obj), buf, shift))
+                    writes.append(writer.submit(write, chunk_id, obj_len, buf, shift))
                 handed = True  # the writer gives the buffer back and releases the budget
-            except NotFound as exc:
-                run.fail(_missing(chunk_id, exc))
             except BaseException as exc:
                 run.fail(dest_error(exc, dest))
             finally:
@@ -312,6 +370,14 @@ def pull_files(
         writer.shutdown(wait=True)
         buffers.close()
     return stats
+
+
+def chunks_to_fetch(ctx: StoreContext, files: list[FileEntry]) -> dict[str, int]:
+    """The distinct chunks a pull of ``files`` fetches, in the order it does, with their sizes:
+    all but the all-zero maximum-size chunk, which is known from its id."""
+    sizes = {ref.id: ref.size for entry in files for ref in entry.chunks}
+    zero = ctx.codec.chunk_id(bytes(MAX_SIZE)) if MAX_SIZE in sizes.values() else None
+    return {chunk_id: sizes[chunk_id] for chunk_id in _interleaved(files) if chunk_id != zero}
 
 
 def _interleaved(files: list[FileEntry]) -> list[str]:

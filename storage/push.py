@@ -1,9 +1,13 @@
 """A push: a directory tree (and streams) uploaded as chunks, then committed by its manifest.
 
 Write order (docs/design.md): chunks, one sync that makes them durable, then the manifest.
-A push holds ``locks/push-<ckpt id>`` while it runs and, before committing, checks whether a
-gc swept meanwhile; if one did, chunks its index said were in the store are uploaded again
-(the protocol is ``storage/locks.py``). Streams (``storage/streams.py``) become ordinary
+A push holds ``locks/push-<ckpt id>`` while it runs. It first reads the store's identity
+again and binds the local index to it (``confirm.refresh_identity``: a recreated store's
+index is rebuilt before anything is skipped). The index only decides what to upload: before
+committing, every chunk skipped on its word is proven present in the store
+(``confirm.ChunkProof``), and a gc that swept meanwhile makes the push wait and re-list
+(``storage/locks.py``); whatever the store lacks is uploaded again, so a manifest never
+names a chunk the store does not hold. Streams (``storage/streams.py``) become ordinary
 file entries; ``upload_streams`` and ``upload_growing`` put them in the store before the
 push that names them. Every function here takes the store's parts (``StoreContext``) and
 hands chunks to the data path (``storage/pipeline.py``).
@@ -22,8 +26,10 @@ from typing import Any
 
 from gpusnap.errors import GpusnapError, InvalidArgument, NotFound, Unavailable
 from gpusnap.storage.backend import sync_deferred
+from gpusnap.storage.cache.seeding import seeding
 from gpusnap.storage.catalog import fetch_manifest, write_manifest
 from gpusnap.storage.chunker import Chunker
+from gpusnap.storage.confirm import ChunkProof, refresh_identity
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.growing import growing_file_input
 from gpusnap.storage.layout import chunk_key
@@ -57,9 +63,25 @@ class PushResult:
     chunks_total: int
     chunks_uploaded: int
     seconds: float
+    # The proof of the chunks skipped on the local index's word (``confirm.ProofStats``):
+    # how, how many were proven present, how many the store lacked (uploaded again), and how
+    # long the commit waited on it.
+    proof: str = "none"
+    chunks_proven: int = 0
+    chunks_reuploaded: int = 0
+    proof_seconds: float = 0.0
+    store_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _seeded(ctx: StoreContext, seed_cache: bool) -> StoreContext:
+    """``ctx``, its chunk puts also kept in the node's cache when asked and there is one:
+    what a node just pushed, it holds (``storage/cache/seeding.py``)."""
+    if not seed_cache or ctx.cache is None:
+        return ctx
+    return replace(ctx, backend=seeding(ctx.backend, ctx.cache))
 
 
 def _parent_entries(ctx: StoreContext, parent: str | None) -> dict[str, FileEntry]:
@@ -98,12 +120,15 @@ def push_tree(
     extra: dict[str, Any] | None,
     streams: Mapping[str, StreamSource] | None,
     uploaded_streams: UploadedStreams | None,
+    full: bool = False,
+    seed_cache: bool = False,
 ) -> PushResult:
     """Upload ``src`` (and streams) as a new checkpoint, then commit its manifest.
 
     ``CheckpointStore.push`` documents the arguments (and their defaults).
     """
     started = time.monotonic()
+    ctx = _seeded(ctx, seed_cache)
     check_workload(workload)
     if parent is not None:
         check_checkpoint_id(parent)
@@ -124,26 +149,43 @@ def push_tree(
         raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
     created_at = time.time()
     with push_lock(ctx, checkpoint_id, created_at):
+        identity = refresh_identity(ctx)
         sync_index_if_gc_ran(ctx)
         parents = _parent_entries(ctx, parent)
-        entries, stats = push_inputs(
-            ctx,
-            _file_inputs(ctx, files, parents) + stream_inputs,
-            compress=squeeze,
-            progress=progress,
-        )
-        if uploaded_streams is not None:
-            entries = entries + uploaded_streams.entries
-            stats.bytes_total += uploaded_streams.bytes_total
-            stats.chunks_total += uploaded_streams.chunks_total
-            stats.bytes_uploaded += uploaded_streams.bytes_uploaded
-            stats.chunks_uploaded += uploaded_streams.chunks_uploaded
-        # A gc that may have swept while this push ran could have removed chunks the index
-        # said were there: wait for it, re-list, and upload whatever is missing.
-        if sync_index_if_gc_ran(ctx, wait_for_running=True):
-            entries = _upload_what_gc_removed(
-                ctx, checkpoint_id, files, entries, kinds=kinds, stats=stats, compress=squeeze
+        proof = ChunkProof(ctx)
+        try:
+            if not full:  # the parent's chunks are what this push expects to skip
+                proof.start({c.id for e in parents.values() for c in e.chunks})
+            entries, stats = push_inputs(
+                ctx,
+                _file_inputs(ctx, files, parents) + stream_inputs,
+                compress=squeeze,
+                progress=progress,
+                use_index=not full,
             )
+            unproven = stats.unproven
+            if uploaded_streams is not None:
+                entries = entries + uploaded_streams.entries
+                stats.bytes_total += uploaded_streams.bytes_total
+                stats.chunks_total += uploaded_streams.chunks_total
+                stats.bytes_uploaded += uploaded_streams.bytes_uploaded
+                stats.chunks_uploaded += uploaded_streams.chunks_uploaded
+                unproven |= uploaded_streams.unproven - stats.put_ids
+            # A gc that may have swept while this push ran could have removed chunks the
+            # index said were there, even ones the proof saw: wait for it, then prove every
+            # chunk the manifest names against a LIST taken after it.
+            if sync_index_if_gc_ran(ctx, wait_for_running=True):
+                proof.abandon()
+                proof = ChunkProof(ctx)
+                unproven = {c.id for e in entries for c in e.chunks}
+            missing = proof.missing(unproven)
+        except BaseException:
+            proof.abandon()  # a failed push does not wait for a listing
+            raise
+        reuploaded = _upload_missing(
+            ctx, checkpoint_id, files, entries, missing, kinds=kinds, stats=stats, compress=squeeze
+        )
+        entries = reuploaded.entries
         # Write order: every chunk durable, then the manifest that names them.
         make_durable(ctx)
         seconds = time.monotonic() - started
@@ -181,41 +223,85 @@ def push_tree(
         stats.chunks_total,
         stats.chunks_uploaded,
         seconds,
+        proof=proof.stats.method,
+        chunks_proven=proof.stats.chunks_proven,
+        chunks_reuploaded=reuploaded.chunks,
+        proof_seconds=round(proof.stats.wait_seconds + reuploaded.proof_seconds, 6),
+        store_id=identity.store_id if identity is not None else None,
     )
 
 
-def _upload_what_gc_removed(
+@dataclass
+class _Reuploaded:
+    entries: list[FileEntry]
+    chunks: int = 0  # chunks found missing and put again
+    proof_seconds: float = 0.0  # proving what the re-run skipped in its turn
+
+
+# A re-run that finds yet more chunks missing runs again, at most this many times in all.
+REUPLOAD_ROUNDS = 3
+
+
+def _upload_missing(
     ctx: StoreContext,
     checkpoint_id: str,
     files: list[SourceFile],
     entries: list[FileEntry],
+    missing: set[str],
     *,
     kinds: Mapping[str, str],
     stats: PushStats,
     compress: bool,
-) -> list[FileEntry]:
-    """After an index rebuild: the push's entries, with the files' chunks a gc removed put
-    back; a stream's (which cannot be read twice) fail the push."""
-    missing = {c.id for e in entries for c in e.chunks if not ctx.index.contains(c.id)}
-    lost = sorted(e.path for e in entries if e.path in kinds and missing & {c.id for c in e.chunks})
-    if lost:
-        # A stream cannot be read twice (GPU memory is gone once copied).
-        raise Unavailable(
-            f"a gc removed chunks of stream {lost[0]} while it was pushed; "
-            f"checkpoint {checkpoint_id} not committed"
+) -> _Reuploaded:
+    """The push's entries, with every chunk the store turned out not to hold put again: the
+    files holding one are pushed once more (the index has forgotten those chunks, so they are
+    uploaded); a stream's chunk (a stream cannot be read twice) fails the push uncommitted."""
+    done = _Reuploaded(entries)
+    for _round in range(REUPLOAD_ROUNDS):
+        if not missing:
+            return done
+        ctx.index.discard(missing)
+        lost = sorted(e.path for e in done.entries if e.path in kinds and _names(e, missing))
+        if lost:
+            # GPU memory is gone once copied: the next checkpoint uploads these chunks.
+            raise Unavailable(
+                f"{len(missing)} chunk(s) of stream {lost[0]} are not in the store (deleted "
+                f"while it was pushed, or lost behind the store's back); checkpoint "
+                f"{checkpoint_id} not committed"
+            )
+        paths = {e.path for e in done.entries if _names(e, missing)}
+        log.info(
+            "push %s: %d chunks are not in the store; pushing %d file(s) again",
+            checkpoint_id,
+            len(missing),
+            len(paths),
         )
-    if not missing:
-        return entries
-    streamed = [e for e in entries if e.path in kinds]
-    log.info(
-        "a gc removed %d chunks push %s needs; uploading them again",
-        len(missing),
-        checkpoint_id,
-    )
-    again, more = push_inputs(ctx, _file_inputs(ctx, files, {}), compress=compress, progress=None)
-    stats.bytes_uploaded += more.bytes_uploaded
-    stats.chunks_uploaded += more.chunks_uploaded
-    return again + streamed
+        again, more = push_inputs(
+            ctx,
+            _file_inputs(ctx, [f for f in files if f.path in paths], {}),
+            compress=compress,
+            progress=None,
+        )
+        stats.bytes_uploaded += more.bytes_uploaded
+        stats.chunks_uploaded += more.chunks_uploaded
+        stats.put_ids |= more.put_ids
+        done.chunks += len(missing & more.put_ids)
+        replaced = {e.path: e for e in again}
+        done.entries = [replaced.get(e.path, e) for e in done.entries]
+        # What the re-run skipped was proven already, unless the files changed meanwhile.
+        proof = ChunkProof(ctx)
+        missing = proof.missing(more.unproven - stats.index_skipped)
+        done.proof_seconds += proof.stats.wait_seconds
+    if missing:
+        raise Unavailable(
+            f"chunks of checkpoint {checkpoint_id} keep vanishing from the store while it is "
+            "pushed; not committed"
+        )
+    return done
+
+
+def _names(entry: FileEntry, ids: set[str]) -> bool:
+    return any(c.id in ids for c in entry.chunks)
 
 
 def _uploaded(
@@ -229,6 +315,7 @@ def _uploaded(
         chunks_total=stats.chunks_total,
         chunks_uploaded=stats.chunks_uploaded,
         seconds=time.monotonic() - started,
+        unproven=stats.unproven,
     )
 
 
@@ -238,11 +325,14 @@ def upload_streams(
     *,
     compress: bool | None,
     progress: ProgressFn | None,
+    seed_cache: bool = False,
 ) -> UploadedStreams:
     """Put the chunks of ``streams`` in the store now; a later push names them (no manifest)."""
     started = time.monotonic()
+    ctx = _seeded(ctx, seed_cache)
     ctx.keys.check_can_push()
     inputs, kinds = _stream_inputs(ctx.chunker, streams, ())
+    refresh_identity(ctx)
     sync_index_if_gc_ran(ctx)
     entries, stats = push_inputs(ctx, inputs, compress=compress is not False, progress=progress)
     return _uploaded(entries, stats, started, kinds)
@@ -257,12 +347,15 @@ def upload_growing(
     stop: Callable[[], bool],
     kind: str,
     compress: bool | None,
+    seed_cache: bool = False,
 ) -> UploadedStreams:
     """Upload a file while its writer appends to it (``CheckpointStore.upload_growing``)."""
     started = time.monotonic()
+    ctx = _seeded(ctx, seed_cache)
     ctx.keys.check_can_push()
     check_stream_path(name)
     source = growing_file_input(path, name, ctx.chunker, complete, stop=stop)
+    refresh_identity(ctx)
     sync_index_if_gc_ran(ctx)
     entries, stats = push_inputs(ctx, [source], compress=compress is not False, progress=None)
     uploaded = _uploaded(entries, stats, started, {name: kind})

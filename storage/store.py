@@ -14,24 +14,33 @@ way (docs/design.md).
 from __future__ import annotations
 
 import builtins
+import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from gpusnap.errors import GpusnapError, InvalidArgument
-from gpusnap.storage import catalog, gc, pull, push, verify
+from gpusnap.storage import catalog, gc, prefetch, pull, push, verify
 from gpusnap.storage.backend import Backend, BackendOptions, open_backend
+from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.context import StoreContext, open_context
 from gpusnap.storage.gc import GcReport
+from gpusnap.storage.identity import StoreIdentity
 from gpusnap.storage.index import ChunkIndex, rebuild_index
-from gpusnap.storage.keys import StoreKeys, load_encryption_key, load_signing_key
+from gpusnap.storage.keys import (
+    StoreKeys,
+    load_encryption_key,
+    load_signing_key,
+    load_trusted_keys,
+)
 from gpusnap.storage.manifest import Manifest, ManifestSummary
 from gpusnap.storage.parallel import ProgressFn
+from gpusnap.storage.prefetch import PrefetchResult, TokenBucket
 from gpusnap.storage.pull import PullResult
 from gpusnap.storage.push import PushResult
 from gpusnap.storage.records import SignedRecords, open_record, seal_record
 from gpusnap.storage.streams import StreamSource, UploadedStreams
-from gpusnap.storage.verify import VerifyReport
+from gpusnap.storage.verify import StoreCheck, VerifyReport
 
 
 class CheckpointStore:
@@ -49,6 +58,23 @@ class CheckpointStore:
     def index(self) -> ChunkIndex:
         """The node's local chunk index for this store (a hint, never the truth)."""
         return self.context.index
+
+    @property
+    def identity(self) -> StoreIdentity | None:
+        """The store's identity (its signed ``config``) as last read: at open, and again by
+        each push, which writes one into a store that has none. ``None`` before that, or
+        when the config found cannot be authenticated (``identity_problem`` says why)."""
+        return self.context.store_identity
+
+    @property
+    def identity_problem(self) -> GpusnapError | None:
+        """Why the store's config was not used (altered, or signed by an untrusted key)."""
+        return self.context.identity.problem
+
+    @property
+    def cache(self) -> StoreCache | None:
+        """This store's part of the node's chunk cache, if the store was opened with one."""
+        return self.context.cache
 
     # --- signed records -----------------------------------------------------------------
 
@@ -81,6 +107,8 @@ class CheckpointStore:
         extra: dict[str, Any] | None = None,
         streams: Mapping[str, StreamSource] | None = None,
         uploaded_streams: UploadedStreams | None = None,
+        full: bool = False,
+        seed_cache: bool = False,
     ) -> PushResult:
         """Upload the tree ``src`` as a new checkpoint; the manifest is committed last.
 
@@ -88,6 +116,14 @@ class CheckpointStore:
         uploaded in the same run; ``uploaded_streams`` adds streams ``upload_streams``
         already put in the store. Both become ordinary file entries, named in
         ``extra["streams"]`` with their kind; a path may not also be a file under ``src``.
+
+        Chunks the local index lists are not uploaded, and are proven present in the store
+        before the commit (those it lacks are uploaded after all). ``full`` uploads every
+        chunk whatever the index says, replacing the objects (for a workload whose latest
+        checkpoint a check found damaged; ``parent`` is then only a cutting hint).
+
+        ``seed_cache`` keeps every chunk object this push uploads in the node's chunk cache
+        too (when the store has one): what a node just pushed, it holds.
         """
         return push.push_tree(
             self.context,
@@ -102,6 +138,8 @@ class CheckpointStore:
             extra=extra,
             streams=streams,
             uploaded_streams=uploaded_streams,
+            full=full,
+            seed_cache=seed_cache,
         )
 
     def upload_streams(
@@ -110,14 +148,18 @@ class CheckpointStore:
         *,
         compress: bool | None = None,
         progress: ProgressFn | None = None,
+        seed_cache: bool = False,
     ) -> UploadedStreams:
         """Put the chunks of ``streams`` in the store now; a later ``push`` names them.
 
         For data that must leave its source before the rest of the checkpoint exists (GPU
         memory copied with custom storage, before CRIU dumps the process). No manifest is
-        written: pass the result to ``push(..., uploaded_streams=...)``.
+        written: pass the result to ``push(..., uploaded_streams=...)``. ``seed_cache`` as
+        for ``push``.
         """
-        return push.upload_streams(self.context, streams, compress=compress, progress=progress)
+        return push.upload_streams(
+            self.context, streams, compress=compress, progress=progress, seed_cache=seed_cache
+        )
 
     def upload_growing(
         self,
@@ -128,16 +170,24 @@ class CheckpointStore:
         stop: Callable[[], bool] = lambda: False,
         kind: str = "file",
         compress: bool | None = None,
+        seed_cache: bool = False,
     ) -> UploadedStreams:
         """Put the chunks of ``path`` in the store while another process appends to it.
 
         ``complete()`` says the writer is done; ``stop()`` gives up. The result names the
         file as entry ``name`` and is handed to ``push(..., uploaded_streams=...)``, which
         uses it instead of the file of that name if the file still has the size read
-        (``storage/growing.py``).
+        (``storage/growing.py``). ``seed_cache`` as for ``push``.
         """
         return push.upload_growing(
-            self.context, path, name, complete=complete, stop=stop, kind=kind, compress=compress
+            self.context,
+            path,
+            name,
+            complete=complete,
+            stop=stop,
+            kind=kind,
+            compress=compress,
+            seed_cache=seed_cache,
         )
 
     def rebuild_index(self) -> int:
@@ -186,7 +236,9 @@ class CheckpointStore:
         Entries pushed as streams of a kind in ``exclude_kinds`` are left out (read them
         with ``open_stream``); by default every entry is written as a file. ``direct`` writes
         around the page cache and ``durable`` syncs before returning (see ``storage/dest.py``);
-        a pull whose files are read back at once and thrown away wants neither.
+        a pull whose files are read back at once and thrown away wants neither. Chunks come
+        from the node's chunk cache where it has them (``bytes_cached``), else from the
+        store (``bytes_fetched``), and what the store gave is kept in the cache.
         """
         return pull.pull(
             self.context,
@@ -209,13 +261,66 @@ class CheckpointStore:
         """
         return pull.open_stream(self.context, checkpoint, path)
 
+    # --- the node's chunk cache -------------------------------------------------------
+
+    def prefetch(
+        self,
+        checkpoint: str | Manifest,
+        *,
+        bandwidth: float | None = None,
+        bucket: TokenBucket | None = None,
+        threads: int = 1,
+        stop: threading.Event | None = None,
+        progress: ProgressFn | None = None,
+    ) -> PrefetchResult:
+        """Fetch into the node's chunk cache what it lacks of ``checkpoint``, gently.
+
+        At most ``bandwidth`` store bytes per second (or what a shared ``bucket`` allows),
+        on ``threads`` threads of lowered priority, no more than the cache's budget holds
+        beside the chunks it already has of it; ``stop`` ends it early. Returns how much of
+        the checkpoint is now warm (``storage/prefetch.py``). Needs a store opened with a
+        chunk cache (``FailedPrecondition`` otherwise).
+        """
+        return prefetch.prefetch(
+            self.context,
+            checkpoint,
+            bandwidth=bandwidth,
+            bucket=bucket,
+            threads=threads,
+            stop=stop,
+            progress=progress,
+        )
+
+    def warm_bytes(self, checkpoint: str | Manifest) -> tuple[int, int]:
+        """``(bytes held here, bytes a restore would fetch)`` of a checkpoint; cheap: one
+        query of the cache's index (the manifest is fetched if an id is given)."""
+        return prefetch.warm_bytes(self.context, checkpoint)
+
+    def warm_fraction(self, checkpoint: str | Manifest) -> float:
+        """How much of what a restore of ``checkpoint`` would fetch the cache holds (0..1)."""
+        return prefetch.warm_fraction(self.context, checkpoint)
+
     # --- verify and gc ------------------------------------------------------------------
 
     def verify(
         self, ids: builtins.list[str] | None = None, *, read_data: bool = False
     ) -> VerifyReport:
-        """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks."""
+        """Check manifests and chunk presence (one LIST); with ``read_data`` re-hash chunks.
+
+        Missing chunks are dropped from the local index and corrupt ones marked bad, so the
+        next push uploads them again; the report names every damaged checkpoint.
+        """
         return verify.verify_store(self.context, ids, read_data=read_data)
+
+    def check(self, checkpoint_ids: Collection[str] | None = None) -> StoreCheck:
+        """A cheap existence check of every chunk the checkpoints name (all when ``None``):
+        one LIST of the manifests, a GET of each, one LIST of the chunks, nothing read.
+
+        For the daemon's schedule (``[store] check_interval``). ``StoreCheck.missing`` maps
+        each damaged checkpoint to the chunks the store lacks; those are dropped from the
+        local index, so the next push uploads them again.
+        """
+        return verify.check_chunks(self.context, checkpoint_ids)
 
     def gc(
         self, *, keep_last: int | None = None, grace_seconds: float = 3600.0, dry_run: bool = False
@@ -248,16 +353,34 @@ def open_store(
     verify: bool = True,
     cache_dir: Path | None = None,
     workers: int | None = None,
+    trusted_keys: Collection[Path] = (),
+    chunk_cache: ChunkCache | None = None,
 ) -> CheckpointStore:
-    """Open the checkpoint store at ``url`` (``file:///path`` or ``s3://bucket/prefix``)."""
+    """Open the checkpoint store at ``url`` (``file:///path`` or ``s3://bucket/prefix``).
+
+    ``key_file`` is this node's signing key (its manifests are signed with it, and its own
+    signature is always trusted); ``trusted_keys`` are public key files, or directories of
+    ``*.pub`` files, whose signatures this node also accepts (other nodes' keys, and retired
+    keys whose checkpoints must still restore). A manifest signed by any other key is
+    refused (``UntrustedSigner``, exit 4). Opening reads the store's ``config`` (one GET).
+
+    ``cache_dir`` holds the store's chunk index; ``chunk_cache`` is the node's chunk cache
+    (``storage.cache.ChunkCache``, the caller's to close, after the store), which pulls read
+    before the store and fill, and pushes may seed.
+    """
     signer = load_signing_key(key_file) if key_file is not None else None
     encryption = load_encryption_key(encryption_key_file) if encryption_key_file else None
+    trusted = load_trusted_keys(trusted_keys)
     if workers is not None and workers < 1:
         raise InvalidArgument("workers must be at least 1")
     backend = open_backend(url, options)
     try:
-        keys = StoreKeys(signer, encryption, verify)
-        return CheckpointStore(open_context(backend, keys, cache_dir=cache_dir, workers=workers))
+        keys = StoreKeys(signer, encryption, verify, trusted)
+        return CheckpointStore(
+            open_context(
+                backend, keys, cache_dir=cache_dir, workers=workers, chunk_cache=chunk_cache
+            )
+        )
     except BaseException:
         backend.close()
         raise
@@ -266,8 +389,10 @@ def open_store(
 __all__ = [
     "CheckpointStore",
     "GcReport",
+    "PrefetchResult",
     "PullResult",
     "PushResult",
+    "StoreCheck",
     "VerifyReport",
     "open_store",
 ]

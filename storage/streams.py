@@ -69,6 +69,9 @@ class UploadedStreams:
     # Paths whose stream is the bytes of the file of that path in the tree a ``push`` reads
     # (uploaded while another process wrote it): the push uses the stream, not the file.
     of_files: set[str] = field(default_factory=set)
+    # Chunks not put because the local index listed them: the push that names them proves
+    # they are in the store before committing (a stream cannot be read again to re-put one).
+    unproven: set[str] = field(default_factory=set)
 
     def merge(self, other: UploadedStreams) -> None:
         taken = {e.path for e in self.entries}
@@ -83,6 +86,7 @@ class UploadedStreams:
         self.chunks_uploaded += other.chunks_uploaded
         self.seconds += other.seconds
         self.of_files |= other.of_files
+        self.unproven |= other.unproven
 
 
 def check_stream_path(path: str) -> str:

@@ -41,7 +41,6 @@ class Kind(StrEnum):
 
 
 ATTENTION_KINDS = (Kind.FULL, Kind.SLIDING, Kind.MLA, Kind.COMPRESSED)
-STATE_KINDS = (Kind.MAMBA1, Kind.MAMBA2, Kind.GATED_DELTANET, Kind.KDA)
 
 
 @dataclass(frozen=True)

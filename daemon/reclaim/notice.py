@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 NoticeKind = Literal["reclaim", "rebalance", "maintenance", "shutdown"]
-NOTICE_KINDS: tuple[NoticeKind, ...] = ("reclaim", "rebalance", "maintenance", "shutdown")
 
 
 def _nothing() -> None:

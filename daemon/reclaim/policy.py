@@ -109,19 +109,6 @@ class PolicyEngine:
     def stop(self) -> None:
         self._stop.set()
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no reclaim runs; True if none does."""
-        end = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = [r for r in self._reclaims.values() if not r.done.is_set()]
-            if not pending:
-                return True
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            pending[0].done.wait(min(left, 0.5))
-
     def reclaim_in_flight(self) -> bool:
         with self._lock:
             return any(not r.done.is_set() for r in self._reclaims.values())

@@ -54,6 +54,10 @@ class FakeService:
         self.snapshots: dict[str, list[Job]] = {}
         self._ids = itertools.count(1)
 
+    def last_call(self) -> tuple[str, dict[str, Any]]:
+        """The last call the service saw: its name and arguments."""
+        return self.calls[-1]
+
     def _job(self, kind: JobKind, workload: str, **kw: Any) -> Job:
         job = Job(
             id=f"job-{next(self._ids)}",
@@ -265,7 +269,8 @@ class FakeService:
 
 
 def _typed(service: FakeService) -> DaemonServiceAPI:
-    return service  # mypy checks FakeService against the Protocol here
+    # mypy (scripts/test.sh runs it on tests/ too) holds FakeService to the Protocol here.
+    return service
 
 
 @pytest.fixture

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,10 +20,12 @@ from gpusnap.errors import (
 from tests.api.conftest import FAILING_PID, INCOMPATIBLE_ID, FakeService, run_cli
 
 
-def _json(proc: object) -> dict:  # type: ignore[type-arg]
-    out = proc.stdout  # type: ignore[attr-defined]
+def _json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    out = proc.stdout
     assert out.count("\n") == 1, out
-    return json.loads(out)
+    data = json.loads(out)
+    assert isinstance(data, dict), out
+    return data
 
 
 def test_checkpoint_wait_json_prints_the_documented_keys(
@@ -85,14 +89,14 @@ def test_restore_wait_json_restored_and_cold_start(server: Path) -> None:
 def test_restore_latest_of_a_workload(server: Path, service: FakeService) -> None:
     proc = run_cli(server, "restore", "--workload", "llm", "--latest", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert service.calls[-1] == (
+    assert service.last_call() == (
         "restore",
         {"checkpoint_id": None, "workload": "llm", "latest": True},
     )
     # Which of ID, --workload and --latest go together is the service's to say (see
     # test_real_service.py); the CLI passes on what it was given.
     assert run_cli(server, "restore", "--workload", "llm").returncode == 0
-    assert service.calls[-1] == (
+    assert service.last_call() == (
         "restore",
         {"checkpoint_id": None, "workload": "llm", "latest": False},
     )
@@ -136,7 +140,7 @@ def test_not_found_exits_3(server: Path) -> None:
 def test_ls_show_workloads_status(server: Path, service: FakeService) -> None:
     listed = _json(run_cli(server, "ls", "--workload", "llm", "--json"))["checkpoints"]
     assert listed[0]["checkpoint_id"] == "ckpt-1"
-    assert service.calls[-1] == ("list_checkpoints", {"workload": "llm"})
+    assert service.last_call() == ("list_checkpoints", {"workload": "llm"})
     table = run_cli(server, "ls").stdout.splitlines()
     assert table[0].split()[:2] == ["ID", "WORKLOAD"] and table[1].split()[:2] == ["ckpt-1", "llm"]
     shown = _json(run_cli(server, "show", "ckpt-1", "--json"))

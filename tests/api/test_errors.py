@@ -3,7 +3,9 @@ metadata, and the client raises the same kind again."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -25,7 +27,10 @@ def test_kind_maps_to_its_grpc_code_and_metadata(server: Path, kind: str) -> Non
             stub.Get(pb.GetJobRequest(job_id=f"raise:{kind}"), timeout=30)
     err = info.value
     assert err.code() == getattr(grpc.StatusCode, ERROR_TABLE[kind].grpc_code)
-    assert (ERROR_KIND_METADATA_KEY, kind) in [tuple(m) for m in err.trailing_metadata()]
+    # grpc-stubs type RpcError's metadata as objects; the channel's are (key, value) pairs,
+    # as cli/_client.py reads them.
+    metadata = cast("Iterable[tuple[str, str | bytes]]", err.trailing_metadata())
+    assert (ERROR_KIND_METADATA_KEY, kind) in list(metadata)
     assert err.details() == f"asked to fail with {kind}"
 
 

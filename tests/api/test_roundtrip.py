@@ -22,7 +22,7 @@ def test_checkpoint_round_trips_arguments_and_job(
     client: DaemonClient, service: FakeService
 ) -> None:
     job = client.checkpoint(pid=4321, leave_running=True)
-    assert service.calls[-1] == (
+    assert service.last_call() == (
         "checkpoint",
         {
             "pid": 4321,
@@ -40,8 +40,8 @@ def test_checkpoint_round_trips_arguments_and_job(
     assert job["started_at"] is None and job["finished_at"] is None and job["deadline"] is None
     assert job["error"] is None and job["error_kind"] is None
     client.checkpoint(workload="llm")
-    assert service.calls[-1][1]["workload"] == "llm"
-    assert service.calls[-1][1]["pid"] is None
+    assert service.last_call()[1]["workload"] == "llm"
+    assert service.last_call()[1]["pid"] is None
 
 
 def test_get_job_carries_progress_times_and_integral_result(
@@ -63,13 +63,13 @@ def test_get_job_carries_progress_times_and_integral_result(
 
 def test_restore_compat_and_lists(client: DaemonClient, service: FakeService) -> None:
     job = client.restore(workload="llm", latest=True)
-    assert service.calls[-1] == (
+    assert service.last_call() == (
         "restore",
         {"checkpoint_id": None, "workload": "llm", "latest": True},
     )
     assert job["kind"] == "restore"
     client.restore(checkpoint_id="ckpt-1")
-    assert service.calls[-1][1]["checkpoint_id"] == "ckpt-1"
+    assert service.last_call()[1]["checkpoint_id"] == "ckpt-1"
 
     assert client.compat("ckpt-1") == {"checkpoint_id": "ckpt-1", "compatible": True, "reasons": []}
     verdict = client.compat(INCOMPATIBLE_ID)
@@ -84,15 +84,15 @@ def test_restore_compat_and_lists(client: DaemonClient, service: FakeService) ->
     ]
 
     jobs = client.list_jobs(limit=1)
-    assert service.calls[-1] == ("list_jobs", {"limit": 1})
+    assert service.last_call() == ("list_jobs", {"limit": 1})
     assert [j["kind"] for j in jobs] == ["restore"]
     client.list_jobs()  # limit 0 on the wire: the service's default, the service decides it
-    assert service.calls[-1] == ("list_jobs", {"limit": 0})
+    assert service.last_call() == ("list_jobs", {"limit": 0})
 
     assert client.list_checkpoints("llm") == service.list_checkpoints("llm")
-    assert service.calls[-1] == ("list_checkpoints", {"workload": "llm"})
+    assert service.last_call() == ("list_checkpoints", {"workload": "llm"})
     client.list_checkpoints()
-    assert service.calls[-1] == ("list_checkpoints", {"workload": None})
+    assert service.last_call() == ("list_checkpoints", {"workload": None})
     shown = client.show_checkpoint("ckpt-1")
     assert shown == service.show_checkpoint("ckpt-1")
     assert shown["stamp"]["model"]["revision"] == "abc123"
@@ -103,7 +103,7 @@ def test_restore_compat_and_lists(client: DaemonClient, service: FakeService) ->
 
 def test_cancel_returns_the_job(client: DaemonClient, service: FakeService) -> None:
     job = client.drill()
-    assert service.calls[-1] == ("drill", {"deadline_s": None})
+    assert service.last_call() == ("drill", {"deadline_s": None})
     cancelled = client.cancel_job(job["id"])
     assert cancelled["state"] == "cancelled"
     assert cancelled["trigger"] == "drill"
@@ -113,7 +113,7 @@ def test_issue_5_calls(client: DaemonClient, service: FakeService) -> None:
     assert client.triggers_status() == {"aws": {"state": "watching", "last_poll": T0}}
     assert client.migrations() == [{"id": "mig-1", "from": "node-a", "to": "node-b"}]
     client.drill(25.0)
-    assert service.calls[-1] == ("drill", {"deadline_s": 25.0})
+    assert service.last_call() == ("drill", {"deadline_s": 25.0})
 
 
 def test_watch_streams_each_snapshot_to_the_end(client: DaemonClient) -> None:

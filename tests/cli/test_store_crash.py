@@ -19,7 +19,6 @@ import pytest
 from tests.cli._cli import GPUSNAP, Cli, make_cli
 
 MiB = 1024 * 1024
-TREE_BYTES = 256 * MiB
 KILL_FRACTIONS_SEED = 20261130
 
 

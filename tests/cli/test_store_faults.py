@@ -17,27 +17,20 @@ import pytest
 
 from tests.cli._cli import GPUSNAP, Cli, make_cli, tree_of
 from tests.support.faultproxy import FaultProxy
-from tests.support.moto_server import MotoServer, aws_test_credentials
+from tests.support.moto_server import MotoServer
 
 MiB = 1024 * 1024
 
 pytestmark = pytest.mark.s3
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    with aws_test_credentials(), MotoServer() as server:
-        yield server
-
-
 @pytest.fixture
-def proxy(moto: MotoServer) -> Iterator[FaultProxy]:
-    with FaultProxy(moto.endpoint_url) as p:
+def proxy(moto_server: MotoServer) -> Iterator[FaultProxy]:
+    with FaultProxy(moto_server.endpoint_url) as p:
         yield p
 
 
-def _s3_cli(tmp_path: Path, moto: MotoServer, endpoint: str, bucket: str) -> Cli:
-    moto.create_bucket(bucket)
+def _s3_cli(tmp_path: Path, endpoint: str, bucket: str) -> Cli:
     return make_cli(
         tmp_path,
         store_url=f"s3://{bucket}/ckpt",
@@ -68,21 +61,33 @@ def _start_push(cli: Cli, image: Path) -> subprocess.Popen[str]:
 
 
 def _wait_for_uploads(proxy: FaultProxy, proc: subprocess.Popen[str], count: int) -> None:
-    """Block until the push has sent ``count`` PUTs through the proxy (or has ended)."""
+    """Block until the push has sent ``count`` chunk PUTs through the proxy (or has ended)."""
     while proc.poll() is None:
-        puts = [r for r in list(proxy.requests) if r[0] == "PUT" and r[2] == "forwarded"]
+        puts = [
+            r
+            for r in list(proxy.requests)
+            if r[0] == "PUT" and "/chunks/" in r[1] and r[2] == "forwarded"
+        ]
         if len(puts) >= count:
             return
         time.sleep(0.005)
 
 
-def test_push_survives_503s_for_a_few_seconds(
-    tmp_path: Path, moto: MotoServer, proxy: FaultProxy
-) -> None:
-    cli = _s3_cli(tmp_path, moto, proxy.endpoint_url, "slowdown")
+def _push_under_way(
+    tmp_path: Path, bucket: str, proxy: FaultProxy
+) -> tuple[Cli, Path, subprocess.Popen[str]]:
+    """A push of a 48 MiB image through ``proxy``, two uploads in: the CLI, the image, the push."""
+    cli = _s3_cli(tmp_path, proxy.endpoint_url, bucket)
     image = _image(tmp_path / "image", 48)
     proc = _start_push(cli, image)
     _wait_for_uploads(proxy, proc, 2)
+    return cli, image, proc
+
+
+def test_push_survives_503s_for_a_few_seconds(
+    tmp_path: Path, s3_bucket: str, proxy: FaultProxy
+) -> None:
+    cli, image, proc = _push_under_way(tmp_path, s3_bucket, proxy)
     proxy.fail_for(2.0, status=503)
     out, err = proc.communicate(timeout=300)
     assert "Traceback" not in err
@@ -98,12 +103,9 @@ def test_push_survives_503s_for_a_few_seconds(
 
 @pytest.mark.slow
 def test_push_to_a_server_that_stops_fails_cleanly_and_a_retry_succeeds(
-    tmp_path: Path, moto: MotoServer, proxy: FaultProxy
+    tmp_path: Path, s3_bucket: str, proxy: FaultProxy
 ) -> None:
-    cli = _s3_cli(tmp_path, moto, proxy.endpoint_url, "stopping")
-    image = _image(tmp_path / "image", 48)
-    proc = _start_push(cli, image)
-    _wait_for_uploads(proxy, proc, 2)
+    cli, image, proc = _push_under_way(tmp_path, s3_bucket, proxy)
     proxy.go_down()
     out, err = proc.communicate(timeout=600)
     assert "Traceback" not in err
@@ -129,8 +131,10 @@ def _closed_port() -> int:
     return port
 
 
-def test_unreachable_store_is_one_line_and_exit_1(tmp_path: Path, moto: MotoServer) -> None:
-    cli = _s3_cli(tmp_path, moto, moto.endpoint_url, "unreach")
+def test_unreachable_store_is_one_line_and_exit_1(
+    tmp_path: Path, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    cli = _s3_cli(tmp_path, moto_server.endpoint_url, s3_bucket)
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     image = _image(tmp_path / "image", 1)
     for argv in (

@@ -14,6 +14,7 @@ from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.criu import Criu, most_relevant_error, parse_stats
 from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound, Unsupported
 from tests.support import workloads
+from tests.support.criu import criu_or_skip
 from tests.support.workloads import Started
 
 log = logging.getLogger(__name__)
@@ -23,20 +24,9 @@ pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 STEPS = 40
 
 
-def _criu_or_skip() -> Criu:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root; run the suite as root")
-    criu = Criu()
-    try:
-        criu.check()
-    except Unsupported as exc:
-        pytest.skip(f"no working CRIU here ({exc})")
-    return criu
-
-
 @pytest.fixture(scope="module")
 def criu() -> Iterator[Criu]:
-    found = _criu_or_skip()
+    found = criu_or_skip()
     # Adopt the orphans a kill-mode dump leaves, so their pids can be reaped and reused.
     workloads.set_child_subreaper(True)
     yield found

@@ -93,7 +93,12 @@ def test_wait_terminal_returns_a_job_that_ended_before_the_wait_at_once(tmp_path
 def test_wait_terminal_waits_for_the_end_or_returns_the_job_as_it_stands(tmp_path: Path) -> None:
     ex = JobExecutor(Journal(tmp_path / "j.sqlite"))
     release = threading.Event()
-    job = ex.submit(JobKind.RESTORE, "w", lambda ctx: (release.wait(30), ctx.phase(Phase.FETCH)))
+
+    def body(ctx: JobContext) -> None:
+        release.wait(30)
+        ctx.phase(Phase.FETCH)
+
+    job = ex.submit(JobKind.RESTORE, "w", body)
     assert ex.wait_terminal(job.id, 0.05).state in (JobState.QUEUED, JobState.RUNNING)
     threading.Timer(0.05, release.set).start()
     assert ex.wait_terminal(job.id, 60).state is JobState.SUCCEEDED

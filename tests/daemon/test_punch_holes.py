@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.host import criu as criu_mod
 from gpusnap.daemon.host.criu import can_punch_holes
 
 
@@ -29,5 +29,6 @@ def test_a_refused_punch_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         def fallocate(self, *args: object) -> int:
             return -1  # what libc returns with errno EOPNOTSUPP
 
-    monkeypatch.setattr(criu_mod.ctypes, "CDLL", lambda *a, **k: NoPunch())
+    # host/criu.py looks CDLL up on the ctypes module at each call.
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: NoPunch())
     assert not can_punch_holes(tmp_path)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.host.criu import Criu
-from tests.e2e.conftest import criu_or_skip
 from tests.support import workloads
+from tests.support.criu import criu_or_skip
 
 pytestmark = [pytest.mark.criu]
 

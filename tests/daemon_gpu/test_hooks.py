@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.hooks import Hook, JobHooks, WorkloadHooks, run_hook
+from gpusnap.daemon.hooks import JobHooks, run_hook
+from gpusnap.daemon.hooks_config import Hook, WorkloadHooks
 from gpusnap.daemon.host import proctree
 from gpusnap.errors import FailedPrecondition, InvalidArgument
 from tests.daemon_gpu.conftest import parse_with

@@ -22,10 +22,9 @@ from typing import Any, Self
 
 import pytest
 
-from gpusnap.daemon.host.criu import Criu
-from gpusnap.errors import Unsupported
 from gpusnap.storage import generate_signing_key
 from tests.support import workloads
+from tests.support.criu import criu_or_skip
 
 BIN = Path(sys.executable).parent
 HANG_GUARD = 120.0  # seconds; against hangs only
@@ -36,15 +35,6 @@ def gpusnapd(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "gpusnapd"), *args], capture_output=True, text=True, timeout=60, check=False
     )
-
-
-def criu_or_skip() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root; run the suite as root")
-    try:
-        Criu().check()
-    except Unsupported as exc:
-        pytest.skip(f"no working CRIU here ({exc}); run scripts/install-criu.sh")
 
 
 @pytest.fixture(scope="session", autouse=True)

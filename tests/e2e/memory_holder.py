@@ -3,13 +3,19 @@ zero KV cache, and random (incompressible) state. Writes ``ready`` once filled, 
 
     python tests/e2e/memory_holder.py --mib 2048 --ready /tmp/ready
 
-Used by the end-to-end tests (a checkpoint that takes a while) and bench/e2e_bench.py.
+or ``start(mib, ready)`` from Python. Used by the end-to-end tests (a checkpoint that takes a
+while) and the benchmarks (bench/e2e_bench.py, bench/reclaim_bench.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -26,6 +32,22 @@ def fill(mib: int, seed: int = 1) -> list[np.ndarray]:
     kv[:used] = rng.integers(0, 256, used, dtype=np.uint8)
     noise = rng.integers(0, 256, mib * 1024 * 1024 - 2 * third, dtype=np.uint8)
     return [weights, kv, noise]
+
+
+def start(
+    mib: int, ready: Path, *, stderr: int | IO[bytes] = subprocess.DEVNULL, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """This script in a new process (and session) filling ``mib`` MiB; it writes ``ready``
+    once full. Returns at once; stdout goes nowhere, stderr to ``stderr``."""
+    return subprocess.Popen(
+        [sys.executable, __file__, "--mib", str(mib), "--ready", str(ready)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        start_new_session=True,
+        cwd=cwd,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
 
 
 def main() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -13,24 +12,12 @@ import pytest
 from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import Nodes
 from tests.support import workloads
+from tests.support.daemon_config import workload_section
 from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 60
-
-
-def _workload_config(name: str, pid_file: Path, revision: str, marker: Path) -> str:
-    # The cold-start command leaves a marker so the test can see it ran.
-    start = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('cold')"]
-    return f"""
-[[workload]]
-name = "{name}"
-pid_file = "{pid_file}"
-engine = {{ name = "hashchain", version = "1" }}
-model = {{ name = "org/counter", revision = "{revision}" }}
-start = {{ command = {json.dumps(start)}, cwd = "/" }}
-"""
 
 
 def test_checkpoint_and_restore_of_a_process_tree_continues_bit_exactly(
@@ -123,8 +110,10 @@ def test_cold_start_with_every_reason_when_the_model_revision_differs(
 ) -> None:
     pid_file = tmp_path / "counter.pid"
     marker = tmp_path / "cold-started"
-    a = nodes.make("a", extra_config=_workload_config("ctr", pid_file, "r1", marker)).start()
-    b = nodes.make("b", extra_config=_workload_config("ctr", pid_file, "r2", marker)).start()
+    a = nodes.make("a", extra_config=workload_section("ctr", pid_file, marker=marker)).start()
+    b = nodes.make(
+        "b", extra_config=workload_section("ctr", pid_file, revision="r2", marker=marker)
+    ).start()
     w = started(workloads.start_counter(tmp_path / "run", steps=STEPS))
     pid_file.write_text(f"{w.pid}\n")
     w.wait_steps(5)

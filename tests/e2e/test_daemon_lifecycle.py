@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,25 +11,19 @@ import pytest
 
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.host import proctree
+from tests.e2e import memory_holder
 from tests.e2e.conftest import Nodes, gpusnapd
 from tests.support import workloads
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
-HOLDER = Path(__file__).with_name("memory_holder.py")
 HOLDER_MIB = 768  # big enough that the upload is still running when the test looks
 
 
 @pytest.fixture
 def holder(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     ready = tmp_path / "holder.ready"
-    proc = subprocess.Popen(
-        [sys.executable, str(HOLDER), "--mib", str(HOLDER_MIB), "--ready", str(ready)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = memory_holder.start(HOLDER_MIB, ready)
     workloads._poll(lambda: ready.exists() or proc.poll() is not None, 120, "the holder")
     assert proc.poll() is None
     yield proc

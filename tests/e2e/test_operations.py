@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,8 +18,8 @@ from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support import workloads
-from tests.support.faultproxy import FaultProxy
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.faultproxy import GateProxy
+from tests.support.moto_server import TEST_REGION, MotoServer
 from tests.support.tls import Ca, free_port
 from tests.support.workloads import Started
 
@@ -159,55 +158,37 @@ def test_the_tcp_listener_takes_a_client_cert_of_the_client_ca_and_refuses_other
 # --- cancel -------------------------------------------------------------------------------------
 
 
-class _GateProxy(FaultProxy):
-    """Holds chunk requests (GET or PUT …/chunks/…) while the gate is shut, so a job can be
-    caught mid-transfer without guessing how long it takes."""
-
-    def __init__(self, upstream_url: str) -> None:
-        super().__init__(upstream_url)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.held = 0
-
-    def _decide(self, method: str, path: str) -> str:
-        if "/chunks/" in path and not self.gate.is_set():
-            with self._lock:
-                self.held += 1
-            self.gate.wait(HANG_GUARD)
-        return super()._decide(method, path)
-
-
 @contextlib.contextmanager
 def _s3_node(
-    nodes: Nodes, name: str, *, daemon_extra: str = "", extra_config: str = ""
-) -> Iterator[tuple[Node, _GateProxy]]:
-    with aws_test_credentials(), MotoServer() as moto:
-        moto.create_bucket("bucket")
-        proxy = _GateProxy(moto.endpoint_url)
-        proxy.start()
-        node = nodes.make(name, extra_config=extra_config)
+    nodes: Nodes,
+    moto: MotoServer,
+    bucket: str,
+    name: str,
+    *,
+    daemon_extra: str = "",
+    extra_config: str = "",
+) -> Iterator[tuple[Node, GateProxy]]:
+    """A node on S3 through a proxy that can hold chunk transfers (GET and PUT)."""
+    with GateProxy(moto.endpoint_url) as proxy:
+        node = nodes.make(name, extra_config=extra_config, daemon_config=daemon_extra)
         try:
             node.write_config(
                 store_section=(
-                    'url = "s3://bucket/gpusnap"\n'
+                    f'url = "s3://{bucket}/gpusnap"\n'
                     f'endpoint_url = "{proxy.endpoint_url}"\n'
                     f'region = "{TEST_REGION}"\n'
                     f'key_file = "{nodes.key_file}"\n'
                 )
             )
-            text = node.config_path.read_text()
-            marker = f'node_id = "{name}"\n'
-            node.config_path.write_text(text.replace(marker, marker + daemon_extra, 1))
             node.start()
             yield node, proxy
         finally:
             proxy.gate.set()
             node.stop()
-            proxy.stop()
 
 
 def test_cancel_of_a_queued_checkpoint_ends_it_at_once_and_never_touches_its_workload(
-    nodes: Nodes, tmp_path: Path, started: Started
+    nodes: Nodes, moto_server: MotoServer, s3_bucket: str, tmp_path: Path, started: Started
 ) -> None:
     config = ""
     for name in ("first", "second"):
@@ -218,10 +199,9 @@ def test_cancel_of_a_queued_checkpoint_ends_it_at_once_and_never_touches_its_wor
     first.wait_steps(3)
     second.wait_steps(3)
     # One job at a time: the second checkpoint waits while the first is held mid-upload.
-    with _s3_node(nodes, "a", daemon_extra="max_jobs = 1\n", extra_config=config) as (
-        node,
-        proxy,
-    ):
+    with _s3_node(
+        nodes, moto_server, s3_bucket, "a", daemon_extra="max_jobs = 1\n", extra_config=config
+    ) as (node, proxy):
         proxy.gate.clear()
         running = node.cli("checkpoint", "--workload", "first", "--leave-running", "--json")
         assert running.rc == 0, running.stderr
@@ -248,10 +228,10 @@ def test_cancel_of_a_queued_checkpoint_ends_it_at_once_and_never_touches_its_wor
 
 
 def test_cancel_of_a_running_restore_stops_it_before_any_process_is_restored(
-    nodes: Nodes, tmp_path: Path, started: Started
+    nodes: Nodes, moto_server: MotoServer, s3_bucket: str, tmp_path: Path, started: Started
 ) -> None:
     w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
-    with _s3_node(nodes, "a") as (node, proxy):
+    with _s3_node(nodes, moto_server, s3_bucket, "a") as (node, proxy):
         ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
         assert ck.rc == 0, ck.stderr + node.log()
         w.reap()  # kill mode: gone, its pid free for a restore

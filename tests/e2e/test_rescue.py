@@ -9,32 +9,34 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.host import proctree
-from tests.e2e.conftest import criu_or_skip, restored_cleanup
+from tests.e2e.conftest import restored_cleanup
 from tests.e2e_gpu.conftest import GpuNodes
 from tests.fakes.fixtures import lib  # noqa: F401 - fixture
 from tests.fakes.libcuda import GIB, MIB
 from tests.gpu.lm import start_device_lm
+from tests.support.criu import criu_or_skip
 from tests.support.faultproxy import FaultProxy
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.moto_server import TEST_REGION, MotoServer
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_failed_upload_after_a_kill_mode_dump_restores_the_workload_and_its_gpu_state(
     tmp_path: Path,
+    moto_server: MotoServer,
+    s3_bucket: str,
     lib: Path,  # noqa: F811 - the fixture
 ) -> None:
     criu_or_skip()
     gpu_nodes = GpuNodes(tmp_path, lib)
-    with aws_test_credentials(), MotoServer() as moto, FaultProxy(moto.endpoint_url) as proxy:
-        moto.create_bucket("bucket")
+    with FaultProxy(moto_server.endpoint_url) as proxy:
         on_a = gpu_nodes.make_gpu("a")
         node, fake = on_a.node, on_a.fake
         text = node.config_path.read_text()
         node.config_path.write_text(
             text.replace(
                 f'url = "{node.store_url}"\n',
-                'url = "s3://bucket/gpusnap"\n'
+                f'url = "s3://{s3_bucket}/gpusnap"\n'
                 f'endpoint_url = "{proxy.endpoint_url}"\n'
                 f'region = "{TEST_REGION}"\n'
                 "retry_attempts = 1\n",

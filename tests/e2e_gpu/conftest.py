@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Node, Nodes, _subreaper, criu_or_skip, started  # noqa: F401
+from tests.e2e.conftest import Node, Nodes, _subreaper, started  # noqa: F401
 from tests.fakes.fixtures import FakeNode, fake_nodes, lib, spawn  # noqa: F401 - fixtures
 from tests.fakes.libcuda import ROOT_ENV
+from tests.support.criu import criu_or_skip
 
 
 @dataclass

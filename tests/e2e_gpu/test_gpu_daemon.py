@@ -262,7 +262,7 @@ def test_a_hung_driver_call_is_killed_at_its_deadline_and_the_workload_runs_on(
 def test_custom_storage_takes_device_memory_through_the_store_and_back_byte_for_byte(
     gpu_nodes: GpuNodes, tmp_path: Path, spawn: Spawn
 ) -> None:
-    cs = {"custom_storage": True, "driver_version": 13040}
+    cs: dict[str, Any] = {"custom_storage": True, "driver_version": 13040}
     a = gpu_nodes.make_gpu("a", [gpu(0), gpu(1)], **cs)
     b = gpu_nodes.make_gpu("b", [gpu(0, uuid=B0), gpu(1, uuid=B1)], **cs)
     a.node.start()

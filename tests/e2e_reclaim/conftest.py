@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 import uuid
@@ -25,9 +24,11 @@ from typing import TypeVar
 
 import pytest
 
-from tests.e2e.conftest import HANG_GUARD, Node, Nodes, criu_or_skip
-from tests.support import workloads
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+# _subreaper: the session adopts the orphans of the workloads, as in tests/e2e.
+from tests.e2e.conftest import HANG_GUARD, Node, Nodes, _subreaper  # noqa: F401
+from tests.support import daemon_config, workloads
+from tests.support.criu import criu_or_skip
+from tests.support.moto_server import TEST_REGION, MotoServer
 
 T = TypeVar("T")
 
@@ -46,19 +47,6 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = HANG_GUA
         if time.monotonic() > end:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _subreaper() -> Iterator[None]:
-    workloads.set_child_subreaper(True)
-    yield
-    workloads.set_child_subreaper(False)
-
-
-@pytest.fixture(scope="session")
-def moto() -> Iterator[MotoServer]:
-    with aws_test_credentials(), MotoServer() as server:
-        yield server
 
 
 @dataclass
@@ -140,18 +128,13 @@ def workload_section(
     pid_file: Path, *, revision: str = "r1", marker: Path | None = None, extra: str = ""
 ) -> str:
     """The ``[[workload]]`` every node has; ``revision`` is the model build it runs."""
-    start = ""
-    if marker is not None:
-        command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('cold')"]
-        start = f'start = {{ command = {json.dumps(command)}, cwd = "/" }}\n'
-    return f"""
-[[workload]]
-name = "{WORKLOAD}"
-pid_file = "{pid_file}"
-engine = {{ name = "hashchain", version = "1" }}
-model = {{ name = "org/counter", revision = "{revision}" }}
-on_notice = "checkpoint"
-{start}{extra}"""
+    return daemon_config.workload_section(
+        WORKLOAD,
+        pid_file,
+        revision=revision,
+        marker=marker,
+        extra='on_notice = "checkpoint"\n' + extra,
+    )
 
 
 def triggers_section(provider: str, url: str | None = None, **extra: object) -> str:
@@ -186,11 +169,10 @@ def migration_section(
 class Cluster:
     """Nodes over one S3 bucket on the moto server (each test gets a fresh bucket)."""
 
-    def __init__(self, nodes: Nodes, moto: MotoServer) -> None:
+    def __init__(self, nodes: Nodes, moto: MotoServer, bucket: str) -> None:
         self.nodes = nodes
         self.moto = moto
-        self.bucket = f"reclaim-{uuid.uuid4().hex[:12]}"
-        moto.create_bucket(self.bucket)
+        self.bucket = bucket
         self.prefix = "ckpt"
 
     @property
@@ -262,12 +244,14 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, moto: MotoServer, workload: ReclaimWorkload) -> Iterator[Cluster]:
+def cluster(
+    tmp_path: Path, moto_server: MotoServer, s3_bucket: str, workload: ReclaimWorkload
+) -> Iterator[Cluster]:
     # Depends on ``workload`` so that the nodes stop before the workload fixture cleans up:
     # a restore still in flight then finishes first, and its tree is ours to kill and reap.
     criu_or_skip()
     nodes = Nodes(tmp_path)
     try:
-        yield Cluster(nodes, moto)
+        yield Cluster(nodes, moto_server, s3_bucket)
     finally:
         nodes.close()

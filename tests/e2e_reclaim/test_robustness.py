@@ -3,57 +3,24 @@ metadata services that are down, slow or talk garbage, and the operator drill.""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import HANG_GUARD
 from tests.e2e_reclaim import ask
 from tests.e2e_reclaim.conftest import WORKLOAD, Cluster, ReclaimWorkload, wait_for
-from tests.support.faultproxy import FaultProxy
+from tests.support.faultproxy import GateProxy
 from tests.support.metadata_servers import SERVERS, AwsImdsServer, MetadataServer, dead_url
 
 pytestmark = [pytest.mark.criu, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-class GateProxy(FaultProxy):
-    """Holds chunk uploads (PUT …/chunks/…) while the gate is shut, so a checkpoint can be
-    caught mid-upload without guessing how long it takes."""
-
-    def __init__(self, upstream_url: str) -> None:
-        super().__init__(upstream_url)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.held = 0
-
-    def _decide(self, method: str, path: str) -> str:
-        if method == "PUT" and "/chunks/" in path and not self.gate.is_set():
-            with self._lock:
-                self.held += 1
-            self.gate.wait(HANG_GUARD)
-        return super()._decide(method, path)
-
-
-@contextlib.contextmanager
-def gate_proxy(upstream_url: str) -> Iterator[GateProxy]:
-    proxy = GateProxy(upstream_url)
-    proxy.start()
-    try:
-        yield proxy
-    finally:
-        proxy.gate.set()
-        proxy.stop()
-
-
 def test_a_reclaim_during_a_periodic_checkpoint_supersedes_it_and_still_migrates(
     cluster: Cluster, workload: ReclaimWorkload, tmp_path: Path
 ) -> None:
-    with AwsImdsServer() as imds, gate_proxy(cluster.moto.endpoint_url) as proxy:
+    with AwsImdsServer() as imds, GateProxy(cluster.moto.endpoint_url, methods=("PUT",)) as proxy:
         cluster.standby("b", workload)
         proxy.gate.clear()  # the first periodic checkpoint will hang in its upload
         a = cluster.reclaimed(

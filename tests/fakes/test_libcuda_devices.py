@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from tests.fakes import libcuda
 from tests.fakes.libcuda import (
@@ -98,7 +99,7 @@ def test_memory_calls_without_a_current_context_fail_with_invalid_context(
     lib: Path, tmp_path: Path
 ) -> None:
     e = libcuda.env(lib, one_gpu_node(tmp_path))
-    no_ctx = [
+    no_ctx: list[list[Any]] = [
         ["mem_alloc", 4096],
         ["host_register", 4096],
         ["stream_create", 0],

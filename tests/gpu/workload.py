@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -74,14 +75,16 @@ def main() -> int:
             ok = int(block.sum(dtype=torch.int64).item()) == expected
             out.write("intact\n" if ok else "CORRUPT\n")
             return 0 if ok else 1
-        model: torch.nn.Module = (KvDecoder() if args.kind == "kv" else Recurrent()).to(dev).eval()
+        model: KvDecoder | Recurrent = (
+            (KvDecoder() if args.kind == "kv" else Recurrent()).to(dev).eval()
+        )
         if args.kind == "kv":
-            state: list = [[torch.empty(0, DIM, device=dev)] * 2 for _ in range(LAYERS)]
+            state: list[Any] = [[torch.empty(0, DIM, device=dev)] * 2 for _ in range(LAYERS)]
         else:
             state = [torch.zeros(1, DIM, device=dev)]
         token = torch.tensor(1, device=dev)
         for _ in range(args.steps):
-            logits = model.step(token, state)  # type: ignore[operator]
+            logits = model.step(token, state)
             token = torch.argmax(logits)
             out.write(f"{int(token.item())}\n")
             if args.delay:

@@ -6,9 +6,7 @@ import json
 import os
 import shutil
 import struct
-import uuid
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from gpusnap.storage import BackendOptions, open_backend
 from tests.cli._cli import Cli
 from tests.plan._plan import CONFIGS, GiB
-from tests.support.moto_server import MotoServer, aws_test_credentials
+from tests.support.moto_server import MotoServer
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND = 1, 2, 3
 
@@ -162,38 +160,29 @@ def test_store_that_does_not_exist_is_not_found_and_not_created(cli: Cli, tmp_pa
     assert _one_line(result.err) and not missing.exists()
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    with aws_test_credentials(), MotoServer() as server:
-        yield server
-
-
 @pytest.mark.s3
-def test_s3_store_bandwidth_is_measured_over_http(moto: MotoServer) -> None:
-    bucket = f"plan-{uuid.uuid4().hex[:12]}"
-    moto.create_bucket(bucket)
-    with aws_test_credentials():
-        cli = Cli({"AWS_ENDPOINT_URL": moto.endpoint_url})
-        out = cli.ok(
-            "plan",
-            "--model",
-            str(CONFIGS / "deepseek-v3.json"),
-            "--store",
-            f"s3://{bucket}/ckpt",
-            "--probe-bytes",
-            "2MiB",
-            "--json",
-        ).json()
+def test_s3_store_bandwidth_is_measured_over_http(moto_server: MotoServer, s3_bucket: str) -> None:
+    # The credentials: moto_server's (tests/conftest.py), in the environment for the run.
+    cli = Cli({"AWS_ENDPOINT_URL": moto_server.endpoint_url})
+    out = cli.ok(
+        "plan",
+        "--model",
+        str(CONFIGS / "deepseek-v3.json"),
+        "--store",
+        f"s3://{s3_bucket}/ckpt",
+        "--probe-bytes",
+        "2MiB",
+        "--json",
+    ).json()
     assert out["bandwidth_bytes_per_second"] > 0
-    assert f"s3://{bucket}/ckpt" in out["bandwidth_source"]
-    with aws_test_credentials():
-        backend = open_backend(
-            f"s3://{bucket}/ckpt", BackendOptions(endpoint_url=moto.endpoint_url)
-        )
-        try:
-            assert list(backend.list("")) == []  # the probe objects are gone
-        finally:
-            backend.close()
+    assert f"s3://{s3_bucket}/ckpt" in out["bandwidth_source"]
+    backend = open_backend(
+        f"s3://{s3_bucket}/ckpt", BackendOptions(endpoint_url=moto_server.endpoint_url)
+    )
+    try:
+        assert list(backend.list("")) == []  # the probe objects are gone
+    finally:
+        backend.close()
 
 
 # -- the plot -------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""Fixtures for trigger and migration tests: stores on file:// and on moto S3 (loopback)."""
+"""Fixtures for trigger and migration tests: stores on file:// and on moto S3 (loopback; the
+suite's one server, tests/conftest.py)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +12,7 @@ import pytest
 from gpusnap.storage.backend import BackendOptions
 from gpusnap.storage.keys import generate_signing_key
 from gpusnap.storage.store import CheckpointStore, open_store
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.moto_server import TEST_REGION, MotoServer
 
 
 @dataclass(frozen=True)
@@ -39,21 +39,14 @@ class StoreSpec:
         )
 
 
-@pytest.fixture(scope="session")
-def migration_moto() -> Iterator[MotoServer]:
-    with aws_test_credentials(), MotoServer() as server:
-        yield server
-
-
 @pytest.fixture(params=["file", "s3"])
 def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSpec:
     key_file = tmp_path / "signing.pem"
     generate_signing_key(key_file)
     if request.param == "file":
         return StoreSpec(f"file://{tmp_path / 'store'}", key_file, None)
-    moto: MotoServer = request.getfixturevalue("migration_moto")
-    bucket = f"mig-{uuid.uuid4().hex[:12]}"
-    moto.create_bucket(bucket)
+    moto: MotoServer = request.getfixturevalue("moto_server")
+    bucket: str = request.getfixturevalue("s3_bucket")
     return StoreSpec(f"s3://{bucket}/ckpt", key_file, moto.endpoint_url)
 
 

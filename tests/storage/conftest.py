@@ -1,9 +1,8 @@
-"""Fixtures for the storage tests: a moto S3 server for the session, keys, and stores of each
-kind (a bare backend, or a checkpoint store on it)."""
+"""Fixtures for the storage tests: keys, and stores of each kind (a bare backend, or a
+checkpoint store on it); S3 is the suite's one moto server (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,25 +13,11 @@ import pytest
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.backend import Backend, BackendOptions, open_backend
 from tests.storage.store_helpers import Keys, file_store, make_keys
-from tests.support.moto_server import TEST_REGION, MotoServer, aws_test_credentials
+from tests.support.moto_server import TEST_REGION, MotoServer
 
 # Small enough that a 12 MiB object goes up in three real parts (S3's floor is 5 MiB).
 MULTIPART_THRESHOLD = 5 * 1024 * 1024 + 1
 MULTIPART_CHUNKSIZE = 5 * 1024 * 1024
-
-
-@pytest.fixture(scope="session")
-def moto_server() -> Iterator[MotoServer]:
-    with aws_test_credentials(), MotoServer() as server:
-        yield server
-
-
-@pytest.fixture
-def s3_bucket(moto_server: MotoServer) -> str:
-    """A fresh, empty bucket for one test (cheaper than resetting the server)."""
-    name = f"gs-{uuid.uuid4().hex[:16]}"
-    moto_server.create_bucket(name)
-    return name
 
 
 def fast_options(endpoint_url: str | None = None, **overrides: Any) -> BackendOptions:

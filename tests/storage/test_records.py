@@ -117,7 +117,7 @@ def test_a_record_planted_without_the_key_is_refused(
     for name, why in (
         ("garbage", "not a readable"),
         ("unsigned", "is not signed"),
-        ("foreign", "not by this store's key"),
+        ("foreign", "which this node does not trust"),
     ):
         with pytest.raises(Corrupt, match=why):
             records.read(f"{CID}/{name}")

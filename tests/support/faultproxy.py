@@ -21,8 +21,9 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from urllib.parse import urlsplit
+
+from tests.support.lifecycle import StartStop
 
 _HOP_BY_HOP = {
     "connection",
@@ -144,7 +145,7 @@ class _Handler(BaseHTTPRequestHandler):
             upstream.close()
 
 
-class FaultProxy:
+class FaultProxy(StartStop):
     """A threaded reverse proxy to ``upstream_url`` whose faults tests switch at run time."""
 
     def __init__(self, upstream_url: str) -> None:
@@ -186,18 +187,6 @@ class FaultProxy:
             server.server_close()
         if thread is not None:
             thread.join()
-
-    def __enter__(self) -> FaultProxy:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -243,12 +232,6 @@ class FaultProxy:
             self._down = False
         self.start()
 
-    def heal(self) -> None:
-        """Clear every pending fault (but not ``go_down``; use ``go_up`` for that)."""
-        with self._lock:
-            self._fail_count = self._drop_count = self._lose_reply_count = 0
-            self._fail_until = 0.0
-
     def outcomes(self) -> list[str]:
         with self._lock:
             return [outcome for _, _, outcome in self.requests]
@@ -285,3 +268,43 @@ class FaultProxy:
     def _record(self, method: str, path: str, outcome: str) -> None:
         with self._lock:
             self.requests.append((method, path, outcome))
+
+
+class GateProxy(FaultProxy):
+    """A FaultProxy that holds chunk requests (``…/chunks/…``) while its gate is shut, so a
+    job can be caught mid-transfer without guessing how long it takes.
+
+        with GateProxy(moto.endpoint_url, methods=("PUT",)) as proxy:
+            proxy.gate.clear()                  # the next chunk upload waits ...
+            ...                                 # ... until proxy.held > 0: caught mid-upload
+            proxy.gate.set()                    # and goes on
+
+    ``methods``: the requests the gate holds (uploads and downloads by default). A held
+    request waits at most ``hold_timeout`` seconds, a hang guard; ``stop()`` opens the gate
+    first, so no request is left waiting on a stopped proxy.
+    """
+
+    def __init__(
+        self,
+        upstream_url: str,
+        *,
+        methods: tuple[str, ...] = ("GET", "PUT"),
+        hold_timeout: float = 120.0,
+    ) -> None:
+        super().__init__(upstream_url)
+        self.methods = frozenset(methods)
+        self.hold_timeout = hold_timeout
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = 0
+
+    def stop(self) -> None:
+        self.gate.set()
+        super().stop()
+
+    def _decide(self, method: str, path: str) -> str:
+        if method in self.methods and "/chunks/" in path and not self.gate.is_set():
+            with self._lock:
+                self.held += 1
+            self.gate.wait(self.hold_timeout)
+        return super()._decide(method, path)

@@ -28,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.support.lifecycle import StartStop
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -104,7 +106,7 @@ class _Server(ThreadingHTTPServer):
     owner: MetadataServer
 
 
-class MetadataServer:
+class MetadataServer(StartStop):
     """Base: a threaded loopback HTTP server with misbehaviour knobs."""
 
     def __init__(self) -> None:
@@ -133,12 +135,6 @@ class MetadataServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5)
-
-    def __enter__(self) -> Any:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def requests_to(self, path_prefix: str, method: str | None = None) -> list[Recorded]:
         with self.lock:

@@ -4,12 +4,9 @@
         moto.create_bucket("ckpt")
         backend = open_backend("s3://ckpt/p", BackendOptions(endpoint_url=moto.endpoint_url))
 
-or from a session-scoped fixture::
-
-    @pytest.fixture(scope="session")
-    def moto() -> Iterator[MotoServer]:
-        with aws_test_credentials(), MotoServer() as server:
-            yield server
+Tests do not start one: they take the suite's one server, the session fixture
+``moto_server``, and a fresh bucket on it, ``s3_bucket`` (both in tests/conftest.py). The
+benchmarks under bench/, which run without pytest, start their own.
 
 The server binds port 0 itself and reports the port it got, so two suites never race for a
 port. ``stop()`` terminates the process and waits for it (no zombie, no stray server).
@@ -31,11 +28,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from types import TracebackType
 from typing import IO, Any
 
 import boto3
 from botocore.config import Config
+
+from tests.support.lifecycle import StartStop
 
 TEST_REGION = "us-east-1"
 
@@ -79,7 +77,7 @@ class MotoServerError(RuntimeError):
     """The moto server could not be started."""
 
 
-class MotoServer:
+class MotoServer(StartStop):
     """A moto S3 server subprocess; a context manager, or ``start()``/``stop()`` by hand."""
 
     def __init__(self, *, serialize: bool = True, startup_timeout: float = 60.0) -> None:
@@ -140,12 +138,6 @@ class MotoServer:
             self._log.close()
             self._log = None
 
-    def reset(self) -> None:
-        """Forget every bucket and object (moto's ``/moto-api/reset``)."""
-        request = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
-        with urllib.request.urlopen(request, timeout=30) as response:
-            response.read()
-
     def client(self, region: str = TEST_REGION) -> Any:
         """A plain boto3 S3 client for this server (test setup and inspection)."""
         return boto3.client(
@@ -163,18 +155,6 @@ class MotoServer:
             client.create_bucket(Bucket=name)
         finally:
             client.close()
-
-    def __enter__(self) -> MotoServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _wait_until_answering(self) -> None:
         deadline = time.monotonic() + self.startup_timeout

@@ -283,19 +283,6 @@ def start_importer(workdir: Path, modules: list[str], python: str = sys.executab
     return w
 
 
-def wait_gone(pid: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Block until ``pid`` has exited (gone, or a zombie nobody reaps), e.g. a restored process."""
-
-    def gone() -> bool:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-    _poll(gone, timeout, f"pid {pid} to exit")
-
-
 def descendants_of(pid: int) -> list[int]:
     """All descendants of ``pid`` now, from /proc/<pid>/task/*/children."""
     found: list[int] = []

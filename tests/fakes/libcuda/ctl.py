@@ -22,7 +22,9 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
-STATES = {int(s): s.name.removeprefix("CU_PROCESS_STATE_") for s in cu.CUprocessState}
+STATES: dict[int, str] = {
+    int(s): s.name.removeprefix("CU_PROCESS_STATE_") for s in cu.CUprocessState
+}
 
 
 class CudaError(Exception):
