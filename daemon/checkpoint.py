@@ -23,6 +23,8 @@ from typing import Any
 from gpusnap.daemon import progress
 from gpusnap.daemon.config import WorkloadConfig
 from gpusnap.daemon.gpu_memory import MemoryUploads
+from gpusnap.daemon.gpu_tree import nccl_by_pid, with_processes
+from gpusnap.daemon.hooks import JobHooks
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.criu import remove_logs
 from gpusnap.daemon.host.files import watched_files
@@ -79,6 +81,9 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
 
     look = _look(plan)
     pids = look.pids
+    nccl = nccl_by_pid(pids)  # while the tree runs: a kill-mode dump ends it
+    hooks = JobHooks.for_job(plan.config, plan.workload, ctx, node.dirs.logs)
+    hooks.pre_checkpoint(pids)  # a failure fails the job here: nothing is frozen yet
     host = node.host.get()
     gpu_stamp = dict(node.gpu.stamp())
 
@@ -130,6 +135,8 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
             t_thaw = time.monotonic()
             node.gpu.thaw(freeze)
             gpu_pause += time.monotonic() - t_thaw
+        if plan.leave_running:
+            hooks.post_thaw(pids)  # the pause is over: let the engine go on before the upload
         pause = dump.pause_seconds + gpu_pause
         ctx.result(
             pause_seconds=round(pause, 6),
@@ -143,7 +150,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
 
         # The files are stat'ed after the dump: a killed tree can no longer change them.
         files = [e for path, kind in look.watched if (e := file_entry(path, kind)) is not None]
-        gpu_stamp.update(freeze.to_stamp())
+        gpu_stamp.update(with_processes(freeze.to_stamp(), nccl))
         stamp = checkpoint_stamp(
             host=host,
             engine=look.engine,
@@ -222,6 +229,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         METRICS.set_last_checkpoint(plan.workload, committed)
         remove_logs(dump_log)
     finally:
+        hooks.after_checkpoint(pids)  # post_thaw, where a failure left the workload running
         if pages is not None:
             pages.abort()  # a no-op once finished; else it must stop reading staging
         shutil.rmtree(staging, ignore_errors=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusnap.daemon.config_table import Table
+from gpusnap.daemon.hooks_config import WorkloadHooks, parse_hooks
 from gpusnap.daemon.reclaim.config import (
     POLICY_KEYS,
     MigrationConfig,
@@ -124,6 +125,7 @@ class WorkloadConfig:
     # The trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), as
     # gpusnap.daemon.reclaim.config reads them; None: the defaults.
     policy: WorkloadPolicy | None = None
+    hooks: WorkloadHooks | None = None  # commands around a checkpoint and a restore (hooks.py)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,8 @@ class GpuSection:
     driver: str = "auto"  # auto | cuda | none
     lock_timeout_s: float = 10.0
     call_timeout_s: float = 120.0
+    copy_rate_gbps: float = 1.0  # checkpoint and restore deadlines: + device memory at this rate
+    nvidia_version_file: Path = Path("/proc/driver/nvidia/version")
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,7 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
             st.done()
         policy_keys = {k: t.get(k) for k in _POLICY_KEYS if t.data.get(k) is not None}
         policy = parse_workload_policy(name, policy_keys) if policy_keys else None
+        hooks = parse_hooks(t)
         out.append(
             WorkloadConfig(
                 name=name,
@@ -421,6 +426,7 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 model=model,
                 start=start,
                 policy=policy,
+                hooks=hooks,
             )
         )
         t.done()
@@ -433,6 +439,8 @@ def _parse_gpu(t: Table) -> GpuSection:
         driver=t.choice("driver", ("auto", "cuda", "none")) or g.driver,
         lock_timeout_s=t.number("lock_timeout_s", minimum=0.001) or g.lock_timeout_s,
         call_timeout_s=t.number("call_timeout_s", minimum=0.001) or g.call_timeout_s,
+        copy_rate_gbps=t.number("copy_rate_gbps", minimum=0.001) or g.copy_rate_gbps,
+        nvidia_version_file=t.path("nvidia_version_file") or g.nvidia_version_file,
     )
     t.done()
     return section

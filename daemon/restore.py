@@ -15,13 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpusnap.daemon.gpu_memory import committed_source
+from gpusnap.daemon.gpu_tree import give_up
+from gpusnap.daemon.hooks import JobHooks
 from gpusnap.daemon.host import coldstart, proctree, scopes
 from gpusnap.daemon.host.criu import can_punch_holes, remove_logs, systemd_running
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
-from gpusnap.errors import FailedPrecondition, NotFound
+from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound
 from gpusnap.storage import CheckpointStore, Manifest
 from gpusnap.storage.streams import GPU_MEMORY_KIND
 
@@ -101,14 +103,19 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
                 node.adopt(pid)
         ctx.phase(Phase.RESTORE_GPU)
         gpu_stamp = manifest.stamp.get("gpu")
-        node.gpu.restore(
-            pids or [restored.pid],
-            gpu_stamp if isinstance(gpu_stamp, dict) else {},
-            source=committed_source(store, manifest),
-        )
+        try:
+            node.gpu.restore(
+                pids or [restored.pid],
+                gpu_stamp if isinstance(gpu_stamp, dict) else {},
+                source=committed_source(store, manifest),
+            )
+        except GpusnapError as err:  # no retry exists: the restored tree is lost
+            _cold_start(node, ctx, manifest, [give_up(err, [restored.pid, *pids])])
+            return
+        tree = [restored.pid, *[p for p in pids if p != restored.pid]]
         ctx.result(
             mode="restored",
-            pids=[restored.pid, *[p for p in pids if p != restored.pid]],
+            pids=tree,
             reasons=[],
             prepare_seconds=round(prepare, 6),
             fetch_seconds=round(pulled.seconds, 6),
@@ -120,6 +127,9 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             criu_pages_restored=restored.stats.get("Pages restored", 0),
             seconds=round(time.time() - job_started, 6),
         )
+        wcfg = node.config.workload(manifest.workload)
+        hooks = JobHooks.for_job(wcfg, manifest.workload, ctx, node.dirs.logs)
+        hooks.post_restore(tree, manifest.checkpoint_id)
         remove_logs(restore_log)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -78,6 +78,8 @@ class DaemonService:
             driver=config.gpu.driver,
             call_timeout_s=config.gpu.call_timeout_s,
             lock_timeout_s=config.gpu.lock_timeout_s,
+            copy_rate_gbps=config.gpu.copy_rate_gbps,
+            nvidia_version_file=str(config.gpu.nvidia_version_file),
         )
         self.journal = Journal(dirs.state / "jobs.sqlite")
         self.store = StoreHandle(config)

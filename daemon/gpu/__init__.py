@@ -6,13 +6,13 @@ rest of the daemon has (``GpuAdapter``, or ``NoGpu`` when GPU support is off);
 ``custom_storage`` copies device memory itself where the driver offers it. Driver calls run in
 a separate worker process (``worker``), never in the daemon.
 
-Must not import ``cuda`` at import time (only ``driver``, loaded by the worker, does), nor the
-fake driver in ``tests/`` (loaded by import path at run time), nor ``gpusnap.storage``: what
-custom storage copies out or in goes through the sink and source callables the checkpoint and
-restore bodies give it (``daemon/gpu_memory.py``). Imports only ``daemon/verdict.py`` and
-``gpusnap.errors`` outside itself.
+Must not import ``cuda`` at import time (only ``driver``, loaded by the worker, does), nor
+``gpusnap.storage``: what custom storage copies out or in goes through the sink and source
+callables the checkpoint and restore bodies give it (``daemon/gpu_memory.py``). Imports only
+``daemon/verdict.py`` and ``gpusnap.errors`` outside itself.
 """
 
-from gpusnap.daemon.gpu.coordinator import GpuCoordinator, GpuFreeze
+from gpusnap.daemon.gpu.coordinator import GpuCoordinator
+from gpusnap.daemon.gpu.freeze import GpuFreeze
 
 __all__ = ["GpuCoordinator", "GpuFreeze"]

@@ -1,9 +1,9 @@
-"""Entry point of the GPU worker process: ``python -m gpusnap.daemon.gpu._worker_main SPEC``.
+"""Entry point of the GPU worker process: ``python -m gpusnap.daemon.gpu._worker_main``.
 
-Loads the driver module named by SPEC ("cuda" for ``gpusnap.daemon.gpu.driver``, or
-"module:<import path>" for another module with the same surface, e.g. the fake in tests),
-then answers one request frame at a time on fd 0 with one reply frame on the original fd 1.
-Anything the driver or libraries print goes to stderr, never into the protocol stream.
+Loads ``gpusnap.daemon.gpu.driver`` (which loads cuda-bindings, which loads ``libcuda.so.1``:
+NVIDIA's, or in tests the fake one found first on ``LD_LIBRARY_PATH``), then answers one
+request frame at a time on fd 0 with one reply frame on the original fd 1. Anything the driver
+or libraries print goes to stderr, never into the protocol stream.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from gpusnap.errors import GpusnapError
 log = logging.getLogger("gpusnap.daemon.gpu.worker")
 
 
-def load_driver(spec: str) -> ModuleType:
-    if spec == "cuda":
-        return importlib.import_module("gpusnap.daemon.gpu.driver")
-    if spec.startswith("module:"):
-        return importlib.import_module(spec.removeprefix("module:"))
-    raise ValueError(f"unknown GPU driver {spec!r}: use 'cuda' or 'module:<import path>'")
+# Calls that need no cuInit: what the bindings offer, the versions.
+_NO_INIT = frozenset({"bindings", "driver_version", "driver_version_string"})
+
+
+def load_driver() -> ModuleType:
+    return importlib.import_module("gpusnap.daemon.gpu.driver")
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def serve(driver: ModuleType, rfd: int, wfd: int) -> None:
             if call not in CALLS or not hasattr(driver, call):
                 write_frame(wfd, {"error": _error(ValueError(f"unknown driver call {call!r}"))})
                 continue
-            if call not in ("driver_version", "driver_version_string"):
+            if call not in _NO_INIT:
                 if initialized is None:
                     try:
                         driver.init()
@@ -77,12 +77,11 @@ def serve(driver: ModuleType, rfd: int, wfd: int) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="gpu-worker: %(message)s")
-    spec = sys.argv[1] if len(sys.argv) > 1 else "cuda"
     wfd = os.dup(1)
     os.dup2(2, 1)  # stray prints from the driver go to stderr
     sys.stdout = sys.stderr
     try:
-        driver = load_driver(spec)
+        driver = load_driver()
     except Exception as exc:
         # Answer every request with the load failure rather than dying.
         failure = _error(exc)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from gpusnap.daemon.gpu.coordinator import GpuCoordinator
 from gpusnap.daemon.gpu.custom_storage import CustomStorage, MemorySource
+from gpusnap.daemon.gpu.inventory import NVRM_VERSION_FILE
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import Unavailable
 
@@ -102,15 +103,23 @@ def _holds_gpu_state(gpu_stamp: dict[str, Any]) -> bool:
     return bool(gpu_stamp.get("present") and gpu_stamp.get("cuda_pids"))
 
 
-def open_gpu(*, driver: str, call_timeout_s: float, lock_timeout_s: float) -> GpuAdapter:
+def open_gpu(
+    *,
+    driver: str,
+    call_timeout_s: float,
+    lock_timeout_s: float,
+    copy_rate_gbps: float = 1.0,
+    nvidia_version_file: str = NVRM_VERSION_FILE,
+) -> GpuAdapter:
     """GPU support as ``[gpu]`` configures it (``driver``: auto, cuda or none)."""
     if driver == "none":
         return NoGpu()
     try:
         coordinator: GpuAdapter = GpuCoordinator.create(
-            driver="cuda",
             call_timeout_s=call_timeout_s,
+            copy_rate_gbps=copy_rate_gbps,
             lock_timeout_ms=int(lock_timeout_s * 1000),
+            nvidia_version_file=nvidia_version_file,
         )
     except Exception as exc:  # GPU support must never keep CPU checkpoints from working
         log.warning("GPU support unavailable: %s", exc)

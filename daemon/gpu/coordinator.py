@@ -3,11 +3,14 @@
 The driver calls themselves run in the GPU worker process (``worker.GpuWorker``); this module
 decides which to make and in what order:
 
-- freeze: find which pids hold CUDA state (``cuCheckpointProcessGetState``), lock every one
-  before checkpointing any, then checkpoint each. On any failure, roll back by state (restore
-  what is CHECKPOINTED, unlock what is LOCKED) so the workload runs on, and say so.
+- freeze: find which pids hold CUDA state to checkpoint (``processes.Processes``), lock every
+  one before checkpointing any, then checkpoint each, measuring what each released on each
+  GPU. On any failure, roll back by state (restore what is CHECKPOINTED, unlock what is
+  LOCKED) so the workload runs on, and say so.
 - thaw (leave-running): restore all, then unlock all.
 - restore (after CRIU restore): check free memory, restore each with GPU UUID pairs, unlock all.
+  A restore that fails is no roll-back: the driver offers no retry after one
+  (NVIDIA/cuda-checkpoint#44), so the error says the processes are lost.
 
 Where the driver offers custom storage and the caller hands ``freeze`` a ``CustomStorage``,
 each process's device memory is copied by the daemon into its sink (``custom_storage``) instead
@@ -18,9 +21,7 @@ The sink and the source are the caller's: this layer never sees the store.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpusnap.daemon.gpu.compat import gpu_compat_reasons, target_devices
@@ -30,14 +31,20 @@ from gpusnap.daemon.gpu.custom_storage import (
     checkpoint_process,
     restore_process,
 )
-from gpusnap.daemon.gpu.inventory import build_stamp, cuda_version_text, probe_capabilities
+from gpusnap.daemon.gpu.freeze import CUSTOM_STORAGE, HOST_STAGED, GpuFreeze, process_bytes
+from gpusnap.daemon.gpu.inventory import (
+    NVRM_VERSION_FILE,
+    build_stamp,
+    cuda_version_text,
+    probe_capabilities,
+)
+from gpusnap.daemon.gpu.processes import NONE, Processes
 from gpusnap.daemon.gpu.ring import HostRing
-from gpusnap.daemon.gpu.worker import CallFailed, GpuWorker
+from gpusnap.daemon.gpu.worker import GpuWorker
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,
-    InvalidArgument,
     Unavailable,
     Unsupported,
     with_message,
@@ -45,44 +52,12 @@ from gpusnap.errors import (
 
 log = logging.getLogger(__name__)
 
-DRIVER_ENV = "GPUSNAP_GPU_DRIVER"
-NO_CUDA_STATE = "CUDA_ERROR_NOT_INITIALIZED"
-HOST_STAGED = "host-staged"
-CUSTOM_STORAGE = "custom-storage"
 # The ring of pinned host buffers for custom storage: 8 slots of 32 MiB, i.e. 4 copies of
 # 32 MiB in flight on 4 streams while the daemon works through the other 4 (see the
 # throughput notes in docs/gpu.md).
 RING_SLOTS = 8
 RING_SLOT_BYTES = 32 * 1024 * 1024
-
-
-@dataclass
-class GpuFreeze:
-    """What ``freeze`` did: the CUDA processes it checkpointed and what it cost."""
-
-    cuda_pids: list[int]
-    bytes_per_device: dict[str, int] = field(default_factory=dict)
-    lock_seconds: float = 0.0
-    checkpoint_seconds: float = 0.0
-    memory_copy: str = HOST_STAGED
-    # Custom storage: one entry per process and device ({pid, position, uuid, path, size}),
-    # and where they went (a thaw or a roll-back reads them back from its source).
-    memory_files: list[dict[str, Any]] = field(default_factory=list)
-    custom_storage: CustomStorage | None = field(default=None, repr=False)
-
-    def to_stamp(self) -> dict[str, Any]:
-        """Fields merged into the stamp's ``gpu`` section (none collide with ``stamp()``)."""
-        out: dict[str, Any] = {
-            "cuda_pids": list(self.cuda_pids),
-            "bytes_per_device": dict(self.bytes_per_device),
-            "bytes_total": sum(self.bytes_per_device.values()),
-            "lock_seconds": self.lock_seconds,
-            "checkpoint_seconds": self.checkpoint_seconds,
-            "memory_copy": self.memory_copy,
-        }
-        if self.memory_files:
-            out["memory_files"] = [dict(m) for m in self.memory_files]
-        return out
+LOST = "a failed GPU restore cannot be retried (NVIDIA/cuda-checkpoint#44): the process is lost"
 
 
 class GpuCoordinator:
@@ -96,36 +71,37 @@ class GpuCoordinator:
         custom_storage: bool = True,
         ring_slots: int = RING_SLOTS,
         ring_slot_bytes: int = RING_SLOT_BYTES,
+        nvidia_version_file: str = NVRM_VERSION_FILE,
     ) -> None:
         self._worker = worker
+        self._procs = Processes(worker)
         self.lock_timeout_ms = lock_timeout_ms
         self.custom_storage = custom_storage  # use it where the driver offers it
         self.ring_slots = ring_slots
         self.ring_slot_bytes = ring_slot_bytes
+        self.nvidia_version_file = nvidia_version_file
         self._caps: dict[str, Any] | None = None
 
     @classmethod
     def create(
         cls,
         *,
-        driver: str = "cuda",
         call_timeout_s: float = 30.0,
+        copy_rate_gbps: float = 1.0,
         lock_timeout_ms: int = 10000,
         custom_storage: bool = True,
         ring_slots: int = RING_SLOTS,
         ring_slot_bytes: int = RING_SLOT_BYTES,
+        nvidia_version_file: str = NVRM_VERSION_FILE,
     ) -> GpuCoordinator:
-        """``driver`` is "cuda" or "module:<import path>"; $GPUSNAP_GPU_DRIVER overrides "cuda"."""
-        if driver == "cuda":
-            driver = os.environ.get(DRIVER_ENV, "") or "cuda"
-        if driver != "cuda" and not driver.startswith("module:"):
-            raise InvalidArgument(f"unknown GPU driver {driver!r}: use 'cuda' or 'module:<path>'")
+        """A coordinator with its own worker (started at the first call)."""
         return cls(
-            GpuWorker(driver, call_timeout_s),
+            GpuWorker(call_timeout_s, copy_rate_gbps),
             lock_timeout_ms=lock_timeout_ms,
             custom_storage=custom_storage,
             ring_slots=ring_slots,
             ring_slot_bytes=ring_slot_bytes,
+            nvidia_version_file=nvidia_version_file,
         )
 
     def close(self) -> None:
@@ -136,15 +112,18 @@ class GpuCoordinator:
     def capabilities(self) -> dict[str, Any]:
         """Probed once, lazily. Without a driver: ``driver_present`` False and one-line message."""
         if self._caps is None:
-            self._caps = probe_capabilities(self._worker)
+            self._caps = probe_capabilities(self._worker, self.nvidia_version_file)
         return dict(self._caps)
 
     def stamp(self) -> dict[str, Any]:
         return build_stamp(self.capabilities())
 
-    def _free_by_uuid(self) -> dict[str, int]:
+    def _memory(self) -> dict[str, dict[str, int]]:
         info = self._worker.call("memory_info")
-        return {str(k): int(v["free"]) for k, v in dict(info).items()}
+        return {str(k): {"free": int(v["free"]), "total": int(v["total"])} for k, v in info.items()}
+
+    def _free_by_uuid(self) -> dict[str, int]:
+        return {uuid: m["free"] for uuid, m in self._memory().items()}
 
     def compat_reasons(
         self, gpu_stamp: dict[str, Any], *, gpu_map: dict[str, str] | None = None
@@ -165,24 +144,6 @@ class GpuCoordinator:
                 )
             )
         return reasons
-
-    # -- per-pid helpers --------------------------------------------------------------
-
-    def _state(self, pid: int) -> str | None:
-        """The process's CUDA state, or None when it holds no CUDA state."""
-        try:
-            return str(self._worker.call("get_state", pid, tolerate=(NO_CUDA_STATE,)))
-        except CallFailed:
-            return None
-
-    def _states(self, pids: list[int]) -> dict[int, str]:
-        states: dict[int, str] = {}
-        for pid in pids:
-            try:
-                states[pid] = self._state(pid) or "without CUDA state"
-            except GpusnapError as err:
-                states[pid] = f"unknown ({err})"
-        return states
 
     def _lock_call_timeout(self, lock_timeout_ms: int) -> float:
         return self._worker.call_timeout_s + lock_timeout_ms / 1000.0
@@ -214,16 +175,7 @@ class GpuCoordinator:
                 "checkpoint API (needs 12.8, driver r570 or later)"
             )
         timeout_ms = self.lock_timeout_ms if lock_timeout_ms is None else lock_timeout_ms
-        cuda_pids: list[int] = []
-        for pid in pids:
-            state = self._state(pid)
-            if state is None:
-                continue
-            if state != "RUNNING":
-                raise FailedPrecondition(
-                    f"process {pid} is {state}, not RUNNING: another checkpoint may hold it"
-                )
-            cuda_pids.append(pid)
+        cuda_pids = self._procs.to_freeze(pids)
         if not cuda_pids:
             return GpuFreeze(cuda_pids=[])
         custom = custom_storage is not None and self.uses_custom_storage()
@@ -238,7 +190,9 @@ class GpuCoordinator:
             custom_storage=custom_storage if custom else None,
         )
         try:
-            before = self._free_by_uuid()
+            memory = self._memory()
+            # No process holds more than what is in use on the node: its checkpoint's bound.
+            in_use = sum(m["total"] - m["free"] for m in memory.values())
             started = time.monotonic()
             for pid in cuda_pids:
                 self._worker.call(
@@ -247,34 +201,37 @@ class GpuCoordinator:
             locked = time.monotonic()
             if custom:
                 assert custom_storage is not None
-                with HostRing(self.ring_slots, self.ring_slot_bytes) as ring:
-                    try:
-                        for pid in cuda_pids:
-                            freeze.memory_files += checkpoint_process(
-                                self._worker, ring, pid, custom_storage.sink
-                            )
-                    finally:
-                        self._detach(ring)
+                self._checkpoint_to_sink(freeze, custom_storage)
             else:
+                free = {uuid: m["free"] for uuid, m in memory.items()}
                 for pid in cuda_pids:
-                    self._worker.call("checkpoint", pid)
+                    self._worker.call("checkpoint", pid, **self._worker.for_bytes(in_use))
+                    # What this checkpoint released on each GPU is what the process held.
+                    now = self._free_by_uuid()
+                    freeze.per_process[pid] = {
+                        uuid: gained for uuid, f in free.items() if (gained := now[uuid] - f) > 0
+                    }
+                    free = now
             done = time.monotonic()
-            after = self._free_by_uuid()
         except GpusnapError as err:
             outcome = self._roll_back(cuda_pids, freeze)
             raise with_message(err, f"GPU freeze failed: {err}; {outcome}") from err
-        if custom:
-            per_device: dict[str, int] = {}
-            for m in freeze.memory_files:
-                per_device[m["uuid"]] = per_device.get(m["uuid"], 0) + int(m["size"])
-        else:
-            # The driver reports no sizes on the host-staged path: what the checkpoint
-            # released on each GPU is what it holds.
-            per_device = {uuid: max(0, after.get(uuid, 0) - free) for uuid, free in before.items()}
-        freeze.bytes_per_device = per_device
         freeze.lock_seconds = locked - started
         freeze.checkpoint_seconds = done - locked
         return freeze
+
+    def _checkpoint_to_sink(self, freeze: GpuFreeze, custom_storage: CustomStorage) -> None:
+        with HostRing(self.ring_slots, self.ring_slot_bytes) as ring:
+            try:
+                for pid in freeze.cuda_pids:
+                    freeze.memory_files += checkpoint_process(
+                        self._worker, ring, pid, custom_storage.sink
+                    )
+            finally:
+                self._detach(ring)
+        for m in freeze.memory_files:
+            used = freeze.per_process.setdefault(int(m["pid"]), {})
+            used[m["uuid"]] = used.get(m["uuid"], 0) + int(m["size"])
 
     def _detach(self, ring: HostRing) -> None:
         try:
@@ -282,31 +239,43 @@ class GpuCoordinator:
         except GpusnapError as err:
             log.info("could not detach ring %s from the GPU worker: %s", ring.name, err)
 
-    def _roll_back(self, pids: list[int], freeze: GpuFreeze | None = None) -> str:
-        """Put every process back to RUNNING by its current state; say how that went."""
+    def _roll_back(self, pids: list[int], freeze: GpuFreeze) -> str:
+        """Put every process back to RUNNING by its current state; say how that went.
+
+        Each round restores what is CHECKPOINTED and unlocks what is LOCKED, as it finds them
+        then: a call that missed its deadline may still land in the driver after the first
+        look (a checkpoint that was in flight ends CHECKPOINTED after we saw LOCKED).
+        """
         problems: list[str] = []
-        states = self._states(pids)
-        copied = {int(m["pid"]) for m in freeze.memory_files} if freeze is not None else set()
-        if copied and freeze is not None:
+        self._procs.settle(pids, self._worker.call_timeout_s)
+        copied = {int(m["pid"]) for m in freeze.memory_files}
+        if copied:
             # Their device memory exists only in the sink now: put it back from there.
             try:
                 self._thaw_from_source(freeze, [p for p in pids if p in copied])
             except GpusnapError as err:
                 problems.append(str(err))
-        for pid in pids:
-            if states[pid] == "CHECKPOINTED" and pid not in copied:
-                try:
-                    self._worker.call("restore", pid, None)
-                except GpusnapError as err:
-                    problems.append(str(err))
-        for pid in pids:
-            if self._states([pid])[pid] == "LOCKED":
-                try:
-                    self._worker.call("unlock", pid)
-                except GpusnapError as err:
-                    problems.append(str(err))
-        final = self._states(pids)
-        stuck = {pid: s for pid, s in final.items() if s not in ("RUNNING", "without CUDA state")}
+        lost: set[int] = set()  # a restore failed: the driver offers no second one
+        for _round in range(3):
+            states = self._procs.states(pids)
+            if all(states[p] not in ("CHECKPOINTED", "LOCKED") or p in lost for p in pids):
+                break
+            for pid in pids:
+                if states[pid] == "CHECKPOINTED" and pid not in copied | lost:
+                    try:
+                        deadline = self._restore_deadline(freeze, pid)
+                        self._worker.call("restore", pid, None, **deadline)
+                    except GpusnapError as err:
+                        lost.add(pid)
+                        problems.append(f"{err} ({LOST})")
+            for pid in pids:
+                if pid not in lost and self._procs.state(pid) == "LOCKED":
+                    try:
+                        self._worker.call("unlock", pid)
+                    except GpusnapError as err:
+                        problems.append(str(err))
+        final = self._procs.states(pids)
+        stuck = {pid: s for pid, s in final.items() if s not in ("RUNNING", NONE)}
         if not stuck:
             return f"rolled back: processes {_pids(pids)} are RUNNING, the workload runs on"
         where = ", ".join(f"process {pid} is {s}" for pid, s in stuck.items())
@@ -314,16 +283,19 @@ class GpuCoordinator:
         log.error("GPU rollback incomplete: %s%s", where, detail)
         return f"rollback incomplete: {where}{detail}"
 
+    def _restore_deadline(self, frozen: GpuFreeze | dict[str, Any], pid: int) -> dict[str, Any]:
+        stamp = frozen.to_stamp() if isinstance(frozen, GpuFreeze) else frozen
+        return self._worker.for_bytes(process_bytes(stamp, pid))
+
     def thaw(self, freeze: GpuFreeze) -> None:
         """Leave-running: restore every frozen process, then unlock every one."""
         if freeze.memory_copy == CUSTOM_STORAGE and freeze.memory_files:
             try:
                 self._thaw_from_source(freeze, freeze.cuda_pids)
             except GpusnapError as err:
-                now = self._states(freeze.cuda_pids)
-                where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
+                where = self._procs.where(freeze.cuda_pids)
                 raise with_message(err, f"GPU thaw failed: {err}; {where}") from err
-        self._resume(freeze.cuda_pids, None, "thaw")
+        self._resume(freeze.cuda_pids, None, freeze.to_stamp(), "thaw")
 
     def _thaw_from_source(self, freeze: GpuFreeze, pids: list[int]) -> None:
         """Custom storage put the memory in its sink only: fill it back from the source."""
@@ -331,19 +303,21 @@ class GpuCoordinator:
             raise FailedPrecondition("the frozen GPU memory is in no store; cannot thaw")
         self._refill(pids, freeze.memory_files, None, freeze.custom_storage.source)
 
-    def _resume(self, pids: list[int], pairs: list[list[str]] | None, what: str) -> None:
-        states = {pid: self._state(pid) for pid in pids}
+    def _resume(
+        self, pids: list[int], pairs: list[list[str]] | None, stamp: dict[str, Any], what: str
+    ) -> None:
+        states = {pid: self._procs.state(pid) for pid in pids}
         try:
             for pid in pids:
                 if states[pid] == "CHECKPOINTED":
-                    self._worker.call("restore", pid, pairs)
+                    deadline = self._restore_deadline(stamp, pid)
+                    self._worker.call("restore", pid, pairs, **deadline)
             for pid in pids:
                 if states[pid] in ("CHECKPOINTED", "LOCKED"):
                     self._worker.call("unlock", pid)
         except GpusnapError as err:
-            now = self._states(pids)
-            where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
-            raise with_message(err, f"GPU {what} failed: {err}; {where}") from err
+            where = self._procs.where(pids)
+            raise with_message(err, f"GPU {what} failed: {err}; {where}; {LOST}") from err
 
     # -- restore ------------------------------------------------------------------------
 
@@ -383,7 +357,8 @@ class GpuCoordinator:
         """After CRIU restore: put the processes' GPU state back (UUID-remapped), then unlock.
 
         A checkpoint taken with custom storage needs the ``source`` of its device memory: it
-        is read from there straight into the memory the driver maps for the restore.
+        is read from there straight into the memory the driver maps for the restore. Any
+        failure leaves processes that cannot be brought back: the caller must kill them.
         """
         caps = self.capabilities()
         if not gpu_stamp.get("present"):
@@ -399,14 +374,14 @@ class GpuCoordinator:
         ]
         if memory:
             raise FailedPrecondition(
-                "GPU restore refused, processes stay CHECKPOINTED: "
+                "GPU restore refused before asking the driver: "
                 + "; ".join(r.message for r in memory)
             )
-        cuda_pids = [pid for pid in pids if self._state(pid) is not None]
+        cuda_pids = [pid for pid in pids if self._procs.state(pid) is not None]
         if gpu_stamp.get("memory_copy") == CUSTOM_STORAGE:
             files = list(gpu_stamp.get("memory_files") or [])
             self._refill(cuda_pids, files, pairs, source)
-        self._resume(cuda_pids, pairs, "restore")
+        self._resume(cuda_pids, pairs, gpu_stamp, "restore")
 
     def _refill(
         self,
@@ -422,12 +397,12 @@ class GpuCoordinator:
         if source is None:
             raise FailedPrecondition(
                 "the checkpoint's GPU memory is in the store (custom storage); the restore "
-                "needs a source to read it from; processes stay CHECKPOINTED"
+                "needs a source to read it from"
             )
         if not self.capabilities()["custom_storage"]:
             raise Unsupported(
                 "the checkpoint's GPU memory was copied with custom storage; this node's "
-                "driver has none; processes stay CHECKPOINTED"
+                "driver has none"
             )
         mapping = {old: new for old, new in pairs} if pairs else {}
         files: dict[tuple[int, str], dict[str, Any]] = {}
@@ -438,14 +413,13 @@ class GpuCoordinator:
             try:
                 self._worker.call("ring_attach", ring.name, ring.size)
                 for pid in pids:
-                    if self._state(pid) != "CHECKPOINTED":
+                    if self._procs.state(pid) != "CHECKPOINTED":
                         continue
                     restore_process(
                         self._worker, ring, pid, files=files, pairs=pairs, source=source
                     )
             except GpusnapError as err:
-                now = self._states(pids)
-                where = ", ".join(f"process {pid} is {s}" for pid, s in now.items())
+                where = self._procs.where(pids)
                 raise with_message(err, f"GPU restore failed: {err}; {where}") from err
             finally:
                 self._detach(ring)

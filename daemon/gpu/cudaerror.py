@@ -1,7 +1,7 @@
 """A failed CUDA driver call, and the error kind each CUDA error name maps to.
 
-Kept free of ``cuda`` imports so that the fake driver in ``tests/`` and the daemon process
-(which never loads libcuda itself) can use it.
+Kept free of ``cuda`` imports so that the daemon process (which never loads libcuda itself)
+can use it.
 """
 
 from __future__ import annotations
@@ -33,11 +33,17 @@ CALL_NAMES: dict[str, str] = {
     "copy_out": "cuMemcpyDtoHAsync",
     "copy_in": "cuMemcpyHtoDAsync",
     "custom_storage_supported": "cuGetProcAddress(cuCheckpointOperationComplete, 13040)",
+    "bindings": "cuda.bindings",
     "driver_version": "cuDriverGetVersion",
     "driver_version_string": "/proc/driver/nvidia/version",
     "devices": "cuDeviceGet*",
     "memory_info": "cuMemGetInfo",
 }
+
+# What the checkpoint calls answer for a pid that holds no CUDA state: NOT_INITIALIZED (no
+# driver there, no cuInit, no context), INVALID_VALUE (no such process, e.g. one that just
+# exited). NVIDIA's own helper treats both alike (ai-dynamo/snapshot#109).
+NO_CUDA_STATE = ("CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_INVALID_VALUE")
 
 _KINDS: dict[str, type[GpusnapError]] = {
     # For a pid, NOT_INITIALIZED means "this process holds no CUDA state".

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 # Kernel Module"). The version number is what must match; the build date may differ per node.
 _NVRM = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
 
+NVRM_VERSION_FILE = "/proc/driver/nvidia/version"  # where the kernel module says its version
 CHECKPOINT_API_MIN = 12080  # cuCheckpointProcess* at parity with cuda-checkpoint (r570)
 GPU_REMAP_MIN = 13000  # CUcheckpointRestoreArgs.gpuPairs (r580)
 
@@ -57,17 +58,22 @@ def build_stamp(caps: dict[str, Any]) -> dict[str, Any]:
         "devices": devices,
         "driver_version": caps.get("driver_version"),
         "driver_version_line": caps.get("driver_version_line"),
-        "driver_version_source": "/proc/driver/nvidia/version",
+        "driver_version_source": caps.get("driver_version_source"),
         "cuda_driver_version": caps.get("cuda_driver_version"),
         "checkpoint_api": caps.get("checkpoint_api"),
         "gpu_remap": caps.get("gpu_remap"),
         "custom_storage": caps.get("custom_storage"),
+        "cuda_bindings": caps.get("cuda_bindings"),
     }
 
 
-def probe_capabilities(worker: GpuWorker) -> dict[str, Any]:
+def probe_capabilities(worker: GpuWorker, version_file: str = NVRM_VERSION_FILE) -> dict[str, Any]:
     """What the driver behind ``worker`` offers; without one, ``driver_present`` False and a
-    one-line ``message`` saying why."""
+    one-line ``message`` saying why.
+
+    The driver's version (``580.95.05``) comes from ``version_file``, the kernel module's
+    ``NVRM version`` line: no driver call returns it (``cuDriverGetVersion`` is the CUDA
+    version the driver supports, ``13000``)."""
     caps: dict[str, Any] = {
         "driver_present": False,
         "message": "",
@@ -77,12 +83,16 @@ def probe_capabilities(worker: GpuWorker) -> dict[str, Any]:
         "checkpoint_api": False,
         "gpu_remap": False,
         "custom_storage": False,
+        "cuda_bindings": None,
+        "driver_version_source": version_file,
         "devices": [],
     }
     try:
+        bindings = dict(worker.call("bindings"))
+        caps["cuda_bindings"] = bindings["version"]
         worker.call("init")
         version = int(worker.call("driver_version"))
-        line = worker.call("driver_version_string")
+        line = worker.call("driver_version_string", version_file)
         caps["devices"] = list(worker.call("devices"))
         caps["custom_storage"] = bool(worker.call("custom_storage_supported"))
     except GpusnapError as err:
@@ -95,7 +105,7 @@ def probe_capabilities(worker: GpuWorker) -> dict[str, Any]:
         driver_version_line=line,
         cuda_driver_version=version,
         checkpoint_api=version >= CHECKPOINT_API_MIN,
-        gpu_remap=version >= GPU_REMAP_MIN,
+        gpu_remap=version >= GPU_REMAP_MIN and bool(bindings["gpu_pairs"]),
     )
 
     def yes(flag: str) -> str:
@@ -106,6 +116,7 @@ def probe_capabilities(worker: GpuWorker) -> dict[str, Any]:
         f"(CUDA {cuda_version_text(version)}), {len(caps['devices'])} GPU(s); "
         f"checkpoint API {yes('checkpoint_api')}, GPU remap {yes('gpu_remap')}, "
         f"custom storage {yes('custom_storage')}"
+        + ("" if bindings["custom_storage"] else f" (cuda-bindings {bindings['version']} has none)")
     )
     log.info("%s", caps["message"])
     return caps

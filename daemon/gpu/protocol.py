@@ -16,6 +16,7 @@ MAX_FRAME = 64 * 1024 * 1024
 CALLS = frozenset(
     {
         "init",
+        "bindings",
         "driver_version",
         "driver_version_string",
         "devices",

@@ -4,6 +4,10 @@ Driver calls can block inside the driver, so none runs in the daemon: a long-liv
 process (``_worker_main``) makes them, one at a time, and every call has a deadline. A call
 past its deadline gets the worker SIGKILLed and respawned, and fails with ``DeadlineExceeded``
 naming the call, the pid and the state the process is left in, as a fresh worker sees it.
+
+The worker sees every GPU of the node: ``CUDA_VISIBLE_DEVICES`` is removed from its
+environment, because a restore needs a GPU pair for every GPU the kernel driver sees, and a
+worker that sees fewer would build a partial map (issue 10 §2.7).
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import threading
 import time
 from typing import Any
 
-from gpusnap.daemon.gpu.cudaerror import CALL_NAMES
+from gpusnap.daemon.gpu.cudaerror import CALL_NAMES, NO_CUDA_STATE
 from gpusnap.daemon.gpu.protocol import FrameTimeout, PeerClosed, read_frame, write_frame
 from gpusnap.errors import DeadlineExceeded, GpusnapError, Internal, error_from_kind
 
 log = logging.getLogger(__name__)
 
 STATE_PROBE_TIMEOUT_S = 5.0
+MASKS = ("CUDA_VISIBLE_DEVICES",)  # what would hide GPUs from the worker
 
 
 class CallFailed(GpusnapError):
@@ -44,11 +49,15 @@ def _describe(call: str, args: list[Any]) -> str:
 
 
 class GpuWorker:
-    """One worker process, respawned whenever it dies or misses a deadline."""
+    """One worker process, respawned whenever it dies or misses a deadline.
 
-    def __init__(self, driver: str = "cuda", call_timeout_s: float = 30.0) -> None:
-        self.driver = driver
+    Every call gets ``call_timeout_s``; a call that moves device memory gets that plus its
+    bytes at ``copy_rate_gbps`` (``for_bytes``): a full H200 at 2 GB/s takes over a minute.
+    """
+
+    def __init__(self, call_timeout_s: float = 30.0, copy_rate_gbps: float = 1.0) -> None:
         self.call_timeout_s = call_timeout_s
+        self.copy_rate_gbps = copy_rate_gbps
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self.spawn_count = 0
@@ -57,18 +66,23 @@ class GpuWorker:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
-        # The worker imports what this process can import (the fake lives in tests/).
+        for name in MASKS:
+            if env.pop(name, None) is not None and self.spawn_count == 0:
+                log.warning(
+                    "%s=%r is ignored: the GPU worker sees every GPU", name, os.environ[name]
+                )
+        # The worker imports what this process can import (an editable checkout, a wheel).
         paths = [p for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(paths)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpusnap.daemon.gpu._worker_main", self.driver],
+            [sys.executable, "-m", "gpusnap.daemon.gpu._worker_main"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
             close_fds=True,
         )
         self.spawn_count += 1
-        log.info("GPU worker started (pid %d, driver %s)", proc.pid, self.driver)
+        log.info("GPU worker started (pid %d)", proc.pid)
         return proc
 
     def _ensure(self) -> subprocess.Popen[bytes]:
@@ -91,6 +105,15 @@ class GpuWorker:
         proc.wait()
         _close_pipes(proc)
         log.warning("GPU worker %d killed", proc.pid)
+
+    def for_bytes(self, nbytes: int) -> dict[str, Any]:
+        """The ``timeout_s`` and ``why`` of a call that moves ``nbytes`` of device memory."""
+        extra = max(0, nbytes) / (self.copy_rate_gbps * 1e9)
+        why = (
+            f"{self.call_timeout_s:g}s + {nbytes / 2**30:.2f} GiB of device memory at "
+            f"{self.copy_rate_gbps:g} GB/s"
+        )
+        return {"timeout_s": self.call_timeout_s + extra, "why": why}
 
     @property
     def pid(self) -> int | None:
@@ -125,13 +148,16 @@ class GpuWorker:
         *args: Any,
         timeout_s: float | None = None,
         tolerate: tuple[str, ...] = (),
+        why: str = "",
     ) -> Any:
         """Run one driver call in the worker and return its result.
 
         A CUDA error listed in ``tolerate`` raises ``CallFailed`` (its ``cuda_error`` says
-        which); any other failure raises the error kind the CUDA error maps to.
+        which); any other failure raises the error kind the CUDA error maps to. ``why``
+        explains a deadline other than ``call_timeout_s`` in its error.
         """
-        return self.begin(call, *args, timeout_s=timeout_s, tolerate=tolerate).result()
+        pending = self.begin(call, *args, timeout_s=timeout_s, tolerate=tolerate, why=why)
+        return pending.result()
 
     def begin(
         self,
@@ -139,6 +165,7 @@ class GpuWorker:
         *args: Any,
         timeout_s: float | None = None,
         tolerate: tuple[str, ...] = (),
+        why: str = "",
     ) -> PendingCall:
         """Send one call and return at once; ``result()`` waits for it (same deadline rules).
 
@@ -147,7 +174,7 @@ class GpuWorker:
         """
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         self._lock.acquire()
-        pending = PendingCall(self, call, list(args), limit, tolerate)
+        pending = PendingCall(self, call, list(args), limit, tolerate, why=why)
         try:
             proc = self._ensure()
             assert proc.stdin is not None
@@ -172,8 +199,9 @@ class GpuWorker:
         except FrameTimeout:
             self._kill()
             state = self._state_after_restart(call, args)
+            why = f" ({pending.why})" if pending.why else ""
             raise DeadlineExceeded(
-                f"{_describe(call, args)} did not return within {limit:g}s; "
+                f"{_describe(call, args)} did not return within {limit:g}s{why}; "
                 f"worker restarted; {state}"
             ) from None
         except (PeerClosed, BrokenPipeError, ValueError, TypeError, AssertionError) as exc:
@@ -207,7 +235,7 @@ class GpuWorker:
             return f"state of process {pid} unknown (worker died again)"
         if "error" in reply:
             err = reply["error"]
-            if err.get("cuda_error") == "CUDA_ERROR_NOT_INITIALIZED":
+            if err.get("cuda_error") in NO_CUDA_STATE:
                 return f"process {pid} holds no CUDA state"
             return f"state of process {pid} unknown ({err.get('message')})"
         return f"process {pid} is {reply.get('ok')}"
@@ -223,8 +251,11 @@ class PendingCall:
         args: list[Any],
         timeout_s: float,
         tolerate: tuple[str, ...],
+        *,
+        why: str = "",
     ) -> None:
         self._worker = worker
+        self.why = why
         self.call = call
         self.args = args
         self.timeout_s = timeout_s

@@ -19,6 +19,7 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
 - ``--external unix[INO]`` for each journal stream of the tree (stdout/stderr of a systemd unit,
   ``host/journalstream.py``), and at restore ``--inherit-fd fd[N]:socket:[INO]`` with a new
   stream to journald in its place: CRIU cannot dump one half of a stream connection.
+- ``--libdir`` an empty directory: no CRIU plugin runs, CUDA's least of all (``criu_plugins``).
 - ``--auto-dedup`` on the restore from a pull's staging only (``daemon/restore.py``): each page
   is punched out of the images once restored, so the restored memory reuses those warm pages;
   never on a rescue from local images, which may have to be kept.
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.daemon.host import criu_run, journalstream, proctree
+from gpusnap.daemon.host.criu_plugins import no_plugins_args
 from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -403,6 +405,7 @@ def systemd_running() -> bool:
 
 def _common_options(options: dict[str, object]) -> list[str]:
     argv = ["--file-locks", "--ext-unix-sk", f"--manage-cgroups={options['manage_cgroups']}"]
+    argv += no_plugins_args()
     if options.get("shell_job"):
         argv.append("--shell-job")
     if options.get("tcp_established"):

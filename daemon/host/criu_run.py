@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host.criu_plugins import criu_env
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def run(
             start_new_session=True,
             close_fds=True,
             pass_fds=pass_fds,
+            env=criu_env(),
         )
         _write_record(record, proc.pid, what)
         try:

@@ -1,49 +1,54 @@
+"""The GPU layer against the fake driver: the real worker, the real ``driver.py``, the real
+cuda-bindings, the fake ``libcuda.so.1`` (``tests/fakes/libcuda``) and real CUDA processes."""
+
 from __future__ import annotations
 
-import subprocess
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpusnap.daemon.config import Config, parse_config
 from gpusnap.daemon.gpu import GpuCoordinator
-from tests.fakes.fake_cuda import STATE_ENV, FakeCuda
+from tests.e2e.conftest import started  # noqa: F401 - fixture
+from tests.fakes.fixtures import FakeNode, fake_nodes, lib, spawn  # noqa: F401 - fixtures
+from tests.fakes.libcuda import ROOT_ENV
 
-FAKE = "module:tests.fakes.fake_cuda"
-
-
-@pytest.fixture
-def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    path = tmp_path / "fake-cuda.json"
-    monkeypatch.setenv(STATE_ENV, str(path))
-    return FakeCuda(path).setup()
+Coordinators = Callable[..., GpuCoordinator]
 
 
-@pytest.fixture
-def sleepers() -> Iterator[Callable[[int], list[int]]]:
-    """Real processes to stand in for the workload's pids."""
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(n: int) -> list[int]:
-        for _ in range(n):
-            procs.append(subprocess.Popen(["sleep", "600"]))
-        return [p.pid for p in procs[-n:]]
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
+def parse_with(tmp_path: Path, extra: str) -> Config:
+    """A minimal daemon config with ``extra`` TOML at its end, parsed (and checked)."""
+    text = f"""
+[daemon]
+state_dir = "{tmp_path / "state"}"
+[store]
+url = "file://{tmp_path / "store"}"
+verify = false
+{extra}
+"""
+    return parse_config(tomllib.loads(text))
 
 
 @pytest.fixture
-def make_coordinator(fake: FakeCuda) -> Iterator[Callable[..., GpuCoordinator]]:
+def coordinators(monkeypatch: pytest.MonkeyPatch) -> Iterator[Coordinators]:
+    """``coordinators(node, **kw)``: a ``GpuCoordinator`` whose worker runs on ``node``.
+
+    The worker inherits this process's environment when it starts (and again when it is
+    respawned), so the node is set in it; a test that moves to another node makes that
+    node's coordinator after it is done with the first.
+    """
     made: list[GpuCoordinator] = []
 
-    def make(**kwargs: object) -> GpuCoordinator:
-        kwargs.setdefault("driver", FAKE)
-        kwargs.setdefault("call_timeout_s", 20.0)
-        coordinator = GpuCoordinator.create(**kwargs)  # type: ignore[arg-type]
+    def make(node: FakeNode, **kw: Any) -> GpuCoordinator:
+        monkeypatch.setenv("LD_LIBRARY_PATH", node.env["LD_LIBRARY_PATH"])
+        monkeypatch.setenv(ROOT_ENV, str(node.root))
+        kw.setdefault("call_timeout_s", 30.0)
+        coordinator = GpuCoordinator.create(nvidia_version_file=str(node.version_file), **kw)
         made.append(coordinator)
+        coordinator.capabilities()  # the worker starts now, on this node
         return coordinator
 
     yield make

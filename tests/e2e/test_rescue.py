@@ -1,5 +1,5 @@
 """A kill-mode checkpoint whose upload fails: the daemon brings the workload back on this node
-from its local images, GPU state included (the fake CUDA driver stands in for the GPU)."""
+from its local images, GPU state included (the fake libcuda stands in for the GPU)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from gpusnap.daemon.host import proctree
 from tests.e2e.conftest import restored_cleanup
 from tests.e2e_gpu.conftest import GpuNodes
-from tests.fakes.fake_cuda import GIB, default_devices
-from tests.support import workloads
+from tests.fakes.fixtures import lib  # noqa: F401 - fixture
+from tests.fakes.libcuda import GIB, MIB
+from tests.gpu.lm import start_device_lm
 from tests.support.criu import criu_or_skip
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import TEST_REGION, MotoServer
@@ -21,12 +22,16 @@ pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_failed_upload_after_a_kill_mode_dump_restores_the_workload_and_its_gpu_state(
-    tmp_path: Path, moto_server: MotoServer, s3_bucket: str
+    tmp_path: Path,
+    moto_server: MotoServer,
+    s3_bucket: str,
+    lib: Path,  # noqa: F811 - the fixture
 ) -> None:
     criu_or_skip()
-    gpu_nodes = GpuNodes(tmp_path)
+    gpu_nodes = GpuNodes(tmp_path, lib)
     with FaultProxy(moto_server.endpoint_url) as proxy:
-        node, fake = gpu_nodes.make_gpu("a")
+        on_a = gpu_nodes.make_gpu("a")
+        node, fake = on_a.node, on_a.fake
         text = node.config_path.read_text()
         node.config_path.write_text(
             text.replace(
@@ -38,11 +43,11 @@ def test_a_failed_upload_after_a_kill_mode_dump_restores_the_workload_and_its_gp
             )
         )
         node.start()
-        w = workloads.start_counter(tmp_path / "run", steps=0)
+        w = start_device_lm(fake.env, tmp_path / "run", "--interval", "0.05", steps=0)
         pid = w.pid
         try:
             w.wait_steps(3)
-            fake.add_process(pid, {default_devices()[0]["uuid"]: 2 * GIB})
+            assert fake.free() == 141 * GIB - 5 * MIB  # its weights and KV pool
             # The dump kills the workload; reap it at once (as its real parent would) so that
             # its pid is free for the daemon's local restore.
             reaper = threading.Thread(target=w.reap, daemon=True)
@@ -58,16 +63,11 @@ def test_a_failed_upload_after_a_kill_mode_dump_restores_the_workload_and_its_gp
             assert "with its GPU state" in ck.json["error"], ck.json
             assert "failed" in proxy.outcomes()
             assert proctree.exists(pid)  # CRIU restored it with its pid
-            # The GPU side went lock, checkpoint (the dump), then restore, unlock (the rescue).
-            assert fake.calls("lock", "checkpoint", "restore", "unlock") == [
-                ("lock", pid),
-                ("checkpoint", pid),
-                ("restore", pid),
-                ("unlock", pid),
-            ]
-            assert fake.state_of(pid) == "RUNNING"
+            # Its device memory is back on its GPU, and it runs on from there.
+            assert fake.state(pid) == "RUNNING"
+            assert fake.free() == 141 * GIB - 5 * MIB
             at = w.steps_done()
-            w.wait_steps(at + 3)  # and it runs on
+            w.wait_steps(at + 3)
         finally:
             gpu_nodes.close()
             restored_cleanup([pid])

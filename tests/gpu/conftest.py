@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.conftest import _subreaper, started  # noqa: F401 - fixtures
+
 FIGURES_ENV = "GPUSNAP_FIGURES"
 
 

@@ -9,15 +9,19 @@
 #   .whl/ifmissing/*.whl  the same, each only where the machine lacks that distribution (pytest)
 #   .deb/*.deb            scripts/install-criu.sh --from-debs: Debian 13 criu in $WORK/criu
 # then prints the machine (date, GPU, driver, kernel, versions) and the driver's capabilities as
-# gpusnap's worker sees them, runs `pytest tests/gpu`, and prints the figures. On a machine
-# without a GPU every test skips and the script exits 0.
+# gpusnap's worker sees them, runs `pytest tests/gpu` (the coordinator with PyTorch workloads,
+# the real gpusnapd with tests/gpu/device_lm.py), then `bench/gpu_bench.py --real` (the
+# checkpoint paths' copy throughput against pinned cuMemcpy), and prints the figures. On a
+# machine without a GPU every test skips, the bench is not run, and the script exits 0.
 #
 # Everything it prints goes to $OUT/device-check.log as well ($OUT: the device tool's folder
 # that comes back; a temporary folder when unset), with $OUT/figures.jsonl, $OUT/capabilities.json
 # and $OUT/logs.tar.gz (CRIU and workload logs of the run, CRIU images left out).
 #
-# Time: the whole script stops within GPUSNAP_DEVICE_BUDGET seconds (default 330): pytest gets
-# what is left after setup less 20 s, each test at most GPUSNAP_DEVICE_TEST_TIMEOUT (120 s).
+# Time: the whole script stops within GPUSNAP_DEVICE_BUDGET seconds (default 540, for a run
+# with timeout_s=600): the bench gets at most GPUSNAP_DEVICE_BENCH_S (120 s) at the end, pytest
+# what is left after setup less that and 20 s, each test at most GPUSNAP_DEVICE_TEST_TIMEOUT
+# (120 s). GPUSNAP_DEVICE_BENCH_S=0 leaves the bench out (a rerun of some tests).
 # GPUSNAP_DEVICE_PYTEST_ARGS adds pytest arguments (a rerun of some tests: "-k kill").
 # GPUSNAP_DEVICE_WHEELS=skip uses the interpreter's own packages (a dry run on another Python).
 set -uo pipefail
@@ -25,13 +29,25 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT" || exit 1
 PY=${PYTHON:-python3}
-BUDGET=${GPUSNAP_DEVICE_BUDGET:-330}
+BUDGET=${GPUSNAP_DEVICE_BUDGET:-540}
 TEST_TIMEOUT=${GPUSNAP_DEVICE_TEST_TIMEOUT:-120}
+BENCH_S=${GPUSNAP_DEVICE_BENCH_S:-120}
 WORK=${GPUSNAP_DEVICE_WORK:-/tmp/gpusnap-device}
 OUT_DIR=${OUT:-$WORK-out}
 rm -rf "$WORK" && mkdir -p "$WORK" "$OUT_DIR" || exit 1
 
 say() { echo "device-check: $*"; }
+
+# The package imports through src/gpusnap/<room> -> ../../<room> links; a copy of the tree
+# that dropped links (an archive, a file sync) has none: make them again.
+relink() {
+  local room
+  for room in cli daemon proto storage; do
+    if [ ! -e "src/gpusnap/$room" ] && [ -d "$room" ]; then
+      ln -sfn "../../$room" "src/gpusnap/$room" && say "relinked src/gpusnap/$room -> ../../$room"
+    fi
+  done
+}
 elapsed() { echo $((SECONDS - START)); }
 
 machine() {
@@ -113,7 +129,7 @@ capabilities() {
   timeout 90 "$PY" - "$OUT_DIR/capabilities.json" <<'PY' 2>&1 | sed 's/^/device-check: /'
 import json, sys
 from gpusnap.daemon.gpu import GpuCoordinator
-c = GpuCoordinator.create(driver="cuda", call_timeout_s=60.0)
+c = GpuCoordinator.create(call_timeout_s=60.0)
 try:
     caps = c.capabilities()
 finally:
@@ -125,6 +141,24 @@ print("capabilities: " + json.dumps(caps, default=str))
 for d in devices:
     print("capabilities: device " + json.dumps(d, default=str))
 PY
+}
+
+bench() {
+  say "=== bench/gpu_bench.py --real (at most ${BENCH_S} s) ==="
+  if ! command -v nvidia-smi >/dev/null; then
+    say "bench: not run (no GPU)"
+    return 0
+  fi
+  if [ "$BENCH_S" -le 0 ]; then
+    say "bench: not run (GPUSNAP_DEVICE_BENCH_S=$BENCH_S)"
+    return 0
+  fi
+  # 4 GiB of device memory, one round: the custom-storage and host-staged paths against pinned
+  # cuMemcpy of the same bytes, in this run (custom storage only where the driver has it).
+  timeout -k 10 "$BENCH_S" "$PY" bench/gpu_bench.py --real --size-mib 4096 --rounds 1 \
+    --json-out "$OUT_DIR/gpu_bench.json" 2>&1 | sed 's/^/device-check: bench: /'
+  local status=${PIPESTATUS[0]}
+  [ "$status" -eq 0 ] || say "bench FAILED or STOPPED (status $status)"
 }
 
 print_figures() {
@@ -148,6 +182,7 @@ main() {
   machine
 
   say "=== setup ==="
+  relink
   install_wheels || return 1
   export PYTHONPATH=$ROOT/src:${SITE:-$WORK/site}:$ROOT${PYTHONPATH:+:$PYTHONPATH}
   export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -169,7 +204,7 @@ PY
   say "=== pytest tests/gpu ==="
   export GPUSNAP_FIGURES=$OUT_DIR/figures.jsonl
   : >"$GPUSNAP_FIGURES"
-  local left=$((BUDGET - $(elapsed) - 20)) rc
+  local left=$((BUDGET - $(elapsed) - BENCH_S - 20)) rc
   [ "$left" -ge 30 ] || left=30
   say "pytest budget ${left} s, ${TEST_TIMEOUT} s a test"
   # Only pytest-timeout as a plugin: none of the machine's others (xdist, cov, benchmark, ...).
@@ -179,6 +214,8 @@ PY
     -W "ignore::DeprecationWarning" -W "ignore::UserWarning" ${GPUSNAP_DEVICE_PYTEST_ARGS:-} 2>&1
   rc=$?
   [ "$rc" -eq 124 ] && say "pytest STOPPED at the ${left} s budget"
+
+  bench
 
   print_figures
   if [ -d "$WORK/pytest" ]; then

@@ -73,6 +73,17 @@ A0 = "GPU-00000000-0000-4000-8000-000000000000"
 B0, B1 = "GPU-b0b0b0b0-0000-4000-8000-00000000000b", "GPU-b1b1b1b1-0000-4000-8000-00000000000b"
 
 
+VERSION_FILE = "nvidia-version"  # in a node: the kernel module's line, as /proc shows it
+
+
+def nvrm_line(version: str) -> str:
+    """The first line of /proc/driver/nvidia/version for driver ``version`` (open module)."""
+    return (
+        f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build  "
+        "(dvs-builder@U16-I2-C03-12-4)  Thu Sep 25 2025"
+    )
+
+
 def write_node(
     root: Path,
     gpus: list[dict[str, Any]],
@@ -83,8 +94,16 @@ def write_node(
     copy_gbps: float = 20.0,
     **extra: Any,
 ) -> Path:
-    """Create (or rewrite) the node directory ``root``; returns it."""
+    """Create (or rewrite) the node directory ``root``; returns it.
+
+    Also writes ``root/nvidia-version`` (``VERSION_FILE``), the kernel module's version line
+    as /proc/driver/nvidia/version gives it on a real node: no driver call returns that
+    version, so a daemon on this node is pointed at the file (``[gpu] nvidia_version_file``).
+    """
     root.mkdir(parents=True, exist_ok=True)
+    (root / VERSION_FILE).write_text(
+        nvrm_line(driver_version_string) + "\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+    )
     doc = {
         "driver_version": driver_version,
         "driver_version_string": driver_version_string,
@@ -106,12 +125,14 @@ def add_fault(
     hang_s: float = 0.0,
     after: bool = False,
     times: int = 1,
-) -> None:
+    until: Path | None = None,
+) -> Fault:
     """Make the next ``times`` calls of ``call`` on node ``root`` hang and/or fail.
 
     A test knob of the fake, not driver behaviour (faults.c): ``after`` makes the call do its
-    work first, as a driver that acted and then never answered. Takes effect at once, also
-    in processes already running.
+    work first, as a driver that acted and then never answered; ``until`` holds the call
+    until that file exists (``Fault.release`` creates it; ``Fault.wait_claimed`` waits for a
+    call to be held). Takes effect at once, also in processes already running.
     """
     doc = json.loads((root / "node.json").read_text())
     fault: dict[str, Any] = {"call": call, "hang_s": hang_s, "after": after, "times": times}
@@ -119,10 +140,35 @@ def add_fault(
         fault["pid"] = pid
     if error is not None:
         fault["error"] = error
+    if until is not None:
+        fault["until"] = str(until)
     doc.setdefault("faults", []).append(fault)
     tmp = root / "node.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.rename(root / "node.json")
+    return Fault(root, len(doc["faults"]) - 1, until)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault: which entry of node.json's ``faults`` it is."""
+
+    root: Path
+    index: int
+    until: Path | None
+
+    def claimed(self, times: int = 1) -> bool:
+        """Whether ``times`` calls have taken this fault (faults.c's claim files)."""
+        done = self.root / ".fake-cuda" / "faults"
+        return all((done / f"{self.index}.{k}").exists() for k in range(times))
+
+    def wait_claimed(self, what: str = "the faulted call") -> None:
+        wait_for(self.claimed, f"{what} to reach the fault")
+
+    def release(self) -> None:
+        """Let a call held by ``until`` go on."""
+        assert self.until is not None
+        self.until.touch()
 
 
 def one_gpu_node(tmp_path: Path, **kw: Any) -> Path:

@@ -6,6 +6,8 @@
  * The next `times` calls of `call` (on `pid`, if given) in any process of the node hang
  * `hang_s` seconds and then fail with `error` (if given) — before doing anything, or with
  * "after": true once the call has done its work (a driver that acted and never answered).
+ * "until": PATH makes the hang last until PATH exists (at most hang_s seconds when hang_s > 0),
+ * so a test can act while a call is held, at a moment it knows: the claim file below exists.
  * node.json is read at every such call, so a test can add faults while processes run; each
  * occurrence is claimed once by creating ROOT/.fake-cuda/faults/INDEX.N, so the count holds
  * across processes and restarts. Hooked into cuInit, the copies, and the checkpoint calls. */
@@ -49,7 +51,8 @@ static int claim(const char *root, int index, int times) {
 }
 
 /* Whether a fault applies to this call now; fills what it does. */
-static int find(const char *call, int pid, int after, CUresult *error, double *hang_s) {
+static int find(const char *call, int pid, int after, CUresult *error, double *hang_s,
+                char until[PATH_MAX]) {
     if (load_config() != CUDA_SUCCESS)
         return 0;
     char path[PATH_MAX + 16];
@@ -65,6 +68,7 @@ static int find(const char *call, int pid, int after, CUresult *error, double *h
         const struct json *f = &faults->items[i];
         const struct json *c = json_get(f, "call"), *p = json_get(f, "pid"), *a = json_get(f, "after");
         const struct json *t = json_get(f, "times"), *e = json_get(f, "error"), *h = json_get(f, "hang_s");
+        const struct json *u = json_get(f, "until");
         if (!c || c->type != J_STR || strcmp(c->str, call))
             continue;
         if (p && p->type == J_NUM && (int)p->num != pid)
@@ -75,6 +79,7 @@ static int find(const char *call, int pid, int after, CUresult *error, double *h
             continue;
         *error = e && e->type == J_STR ? code_of(e->str) : CUDA_SUCCESS;
         *hang_s = h && h->type == J_NUM ? h->num : 0;
+        snprintf(until, PATH_MAX, "%s", u && u->type == J_STR ? u->str : "");
         found = 1;
     }
     if (doc) {
@@ -84,7 +89,18 @@ static int find(const char *call, int pid, int after, CUresult *error, double *h
     return found;
 }
 
-static void hang(double seconds) {
+static void hang(double seconds, const char *until) {
+    if (until[0]) {
+        struct timespec start, t, tick = {0, 10000000L};
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        while (access(until, F_OK) < 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if (seconds > 0 && (double)(t.tv_sec - start.tv_sec) + (t.tv_nsec - start.tv_nsec) / 1e9 >= seconds)
+                break;
+            nanosleep(&tick, NULL);
+        }
+        return;
+    }
     struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
     while (seconds > 0 && nanosleep(&ts, &ts) < 0 && errno == EINTR)
         ;
@@ -93,9 +109,10 @@ static void hang(double seconds) {
 int fault_before(const char *call, int pid, CUresult *out) {
     CUresult error;
     double hang_s;
-    if (!find(call, pid, 0, &error, &hang_s))
+    char until[PATH_MAX];
+    if (!find(call, pid, 0, &error, &hang_s, until))
         return 0;
-    hang(hang_s);
+    hang(hang_s, until);
     *out = error;
     return error != CUDA_SUCCESS;
 }
@@ -103,8 +120,9 @@ int fault_before(const char *call, int pid, CUresult *out) {
 CUresult fault_after(const char *call, int pid, CUresult result) {
     CUresult error;
     double hang_s;
-    if (result != CUDA_SUCCESS || !find(call, pid, 1, &error, &hang_s))
+    char until[PATH_MAX];
+    if (result != CUDA_SUCCESS || !find(call, pid, 1, &error, &hang_s, until))
         return result;
-    hang(hang_s);
+    hang(hang_s, until);
     return error;
 }

@@ -32,8 +32,15 @@ def check(result: Any) -> Any:
     return values[0] if len(values) == 1 else tuple(values) if values else None
 
 
+BLOCK = 64 * 2**20  # randbytes cannot make much more at once
+
+
 def content(seed: int, index: int, size: int) -> bytes:
-    return random.Random(f"{seed}-{index}").randbytes(size)
+    if size <= BLOCK:
+        return random.Random(f"{seed}-{index}").randbytes(size)
+    blocks = (size + BLOCK - 1) // BLOCK
+    made = b"".join(random.Random(f"{seed}-{index}-{k}").randbytes(BLOCK) for k in range(blocks))
+    return made[:size]
 
 
 class Target:
