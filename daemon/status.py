@@ -68,7 +68,7 @@ def workloads(node: Node, active: Callable[[str], Job | None]) -> list[dict[str,
     for w in node.config.workloads:
         pid: int | None
         try:
-            pid = workload_root(w)
+            pid = _container_pid(node, w) if w.container else workload_root(w)
         except GpusnapError:
             pid = None
         job = active(w.name)
@@ -94,7 +94,15 @@ def workloads(node: Node, active: Callable[[str], Job | None]) -> list[dict[str,
     return out
 
 
+def _container_pid(node: Node, w: WorkloadConfig) -> int | None:
+    """A container workload's init, by its host pid, while it runs."""
+    _, info = node.containers.find(w.container or "", w.runtime)
+    return info.pids[0] if info.running else None
+
+
 def _finder(w: WorkloadConfig) -> str:
+    if w.container:
+        return f"container {w.container}" + (f" ({w.runtime})" if w.runtime else "")
     if w.pid_file:
         return f"pid_file {w.pid_file}"
     if w.systemd_unit:

@@ -94,7 +94,7 @@ class ContainerdRuntime:
         proc = self.tool.run(["containers", "info", ref], what="info", check=False)
         if proc.returncode != 0:
             raise NotFound(f"containerd: no container {ref!r}")
-        d = json.loads(proc.stdout)
+        d = self.tool.json(proc, "info")
         pid, running = self._task(ref)
         pids, limits = live_facts(pid, running)
         image = str(d.get("Image", ""))
@@ -170,7 +170,10 @@ class ContainerdRuntime:
             there = None
         if there is not None:
             if there.running or target != rec.name:
-                raise AlreadyExists(f"containerd: container {target!r} exists; use a new name")
+                raise AlreadyExists(
+                    f"containerd: container {target!r} exists; restore under a new name "
+                    "(--name NEW)"
+                )
             self.remove(target)
         image = str(parts.extra.get("checkpoint_image", ""))
         archive = parts.directory.parent / f".{parts.directory.name}.import.tar"

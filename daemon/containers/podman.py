@@ -44,11 +44,12 @@ from gpusnap.daemon.containers.runtime import (
     checkpoint_attempt,
     live_facts,
 )
-from gpusnap.errors import AlreadyExists, FailedPrecondition, NotFound
+from gpusnap.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (4, 0)
+MAX_RUNROOT = 50  # podman refuses a longer runroot path ("runroot ... is too long")
 PARTS = {
     "checkpoint/": PART_CRIU,
     "rootfs-diff.tar": PART_ROOTFS,
@@ -87,6 +88,11 @@ class PodmanRuntime:
         criu: Path = DEFAULT_CRIU,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
+        if runroot is not None and len(str(runroot)) > MAX_RUNROOT:
+            raise InvalidArgument(
+                f"podman: runroot {runroot} is longer than the {MAX_RUNROOT} characters "
+                "podman accepts"
+            )
         args: list[str] = ["--runtime", oci_runtime]
         for flag, value in (
             ("--root", root),
@@ -111,7 +117,7 @@ class PodmanRuntime:
         proc = self.tool.run(["container", "inspect", ref], what="inspect", check=False)
         if proc.returncode != 0:
             raise NotFound(f"podman: no container {ref!r}")
-        data = json.loads(proc.stdout)
+        data = self.tool.json(proc, "inspect")
         if not data:
             raise NotFound(f"podman: no container {ref!r}")
         return dict(data[0])
@@ -140,7 +146,7 @@ class PodmanRuntime:
         proc = self.tool.run(["image", "inspect", image_id], what="image inspect", check=False)
         if proc.returncode != 0:
             return ()
-        img = json.loads(proc.stdout)[0]
+        img = self.tool.json(proc, "image inspect")[0]
         found = [img.get("Digest", "")] + [
             r.split("@", 1)[-1] for r in img.get("RepoDigests") or []
         ]
@@ -221,10 +227,13 @@ class PodmanRuntime:
         except NotFound:
             return
         if there.running:
-            raise AlreadyExists(f"podman: container {target!r} is running; restore with a new name")
+            raise AlreadyExists(
+                f"podman: container {target!r} is running; restore under a new name (--name NEW)"
+            )
         if there.id != rec.id:
             raise AlreadyExists(
-                f"podman: another container is named {target!r}; restore with a new name"
+                f"podman: another container is named {target!r}; restore under a new name "
+                "(--name NEW)"
             )
         self.remove(there.id)
 

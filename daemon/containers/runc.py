@@ -95,7 +95,7 @@ class RuncRuntime:
         proc = self.tool.run(["state", ref], what="state", check=False)
         if proc.returncode != 0:
             raise NotFound(f"runc: no container {ref!r}")
-        return dict(json.loads(proc.stdout))
+        return dict(self.tool.json(proc, "state"))
 
     def inspect(self, ref: str) -> ContainerInfo:
         st = self._state(ref)
@@ -206,9 +206,14 @@ class RuncRuntime:
         except NotFound:
             return
         if there.running:
-            raise AlreadyExists(f"runc: container {target!r} is running; restore with a new name")
+            raise AlreadyExists(
+                f"runc: container {target!r} is running; restore under a new name (--name NEW)"
+            )
         if target != rec.name:
-            raise AlreadyExists(f"runc: another container is named {target!r}")
+            raise AlreadyExists(
+                f"runc: another container is named {target!r}; restore under a new name "
+                "(--name NEW)"
+            )
         self.tool.run(["delete", "--force", target], what="delete")
 
     # --- bundles, cold start, cleanup ------------------------------------------------

@@ -9,6 +9,7 @@ Debian's 3.17.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gpusnap.daemon.containers.model import CheckpointParts, ContainerInfo, ContainerSpec
 from gpusnap.errors import (
@@ -141,6 +142,16 @@ class RuntimeTool:
         if check and proc.returncode != 0:
             raise Internal(f"{self.label} {what} failed: {last_line(proc.stderr or proc.stdout)}")
         return proc
+
+    def json(self, proc: subprocess.CompletedProcess[str], what: str) -> Any:
+        """The JSON a successful call printed; ``Internal`` naming the tool when it printed
+        something else (a wrapper, a foreign binary of the same name)."""
+        try:
+            return json.loads(proc.stdout)
+        except ValueError as exc:
+            raise Internal(
+                f"{self.label} {what}: printed no JSON ({last_line(proc.stdout) or 'nothing'})"
+            ) from exc
 
     def version(self, args: Sequence[str], minimum: tuple[int, ...]) -> str:
         """The version the tool prints for ``args`` (asked once); ``Unsupported`` below
@@ -270,6 +281,24 @@ def host_pids(init_pid: int) -> tuple[int, ...]:
         except OSError:
             continue  # exited meanwhile, or a kernel thread
     return (out[0], *sorted(out[1:]))
+
+
+def ns_pids(pids: Sequence[int]) -> dict[int, int]:
+    """Each host pid's pid inside its own (innermost) pid namespace: the last ``NSpid`` of
+    ``/proc/PID/status``. A container's pids in its namespace survive a checkpoint and restore
+    (CRIU restores them), its host pids do not; this is how one maps to the other. A process
+    that is gone is left out."""
+    out: dict[int, int] = {}
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("NSpid:"):
+                out[pid] = int(line.split()[-1])
+                break
+    return out
 
 
 # cgroup v2 file, cgroup v1 (controller, file), the key recorded
