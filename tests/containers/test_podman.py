@@ -63,7 +63,16 @@ def test_restore_in_place_continues_the_generation_bit_exactly(
         assert {PART_CRIU, PART_ROOTFS, PART_CONFIG} <= kinds
         assert any(p.startswith("checkpoint/pages-") for p in parts.parts)
         sizes = parts.sizes()
-        _figure("podman_checkpoint", seconds=round(parts.seconds, 3), **sizes)
+        # CRIU's own account of the pause, from the stats-dump podman exports: inside the call.
+        stats = parts.criu_stats()
+        assert stats["frozen_time"] > 0 and stats["pages_written"] > 0
+        assert 0 < parts.pause_seconds() < parts.seconds
+        _figure(
+            "podman_checkpoint",
+            seconds=round(parts.seconds, 3),
+            pause=round(parts.pause_seconds(), 3),
+            **sizes,
+        )
 
         restored = rt.restore(load_parts(parts.directory))
         assert restored.running and restored.name == name and restored.id == parts.container.id
