@@ -23,7 +23,9 @@ from typing import Any
 from gpusnap.daemon.checkpoint import record_commit, thaw_after_failure
 from gpusnap.daemon.config import Config, WorkloadConfig
 from gpusnap.daemon.container_stamp import container_stamp, remap_gpu_stamp
+from gpusnap.daemon.container_upload import PartsStreamer, merged
 from gpusnap.daemon.containers import (
+    Arrivals,
     CheckpointParts,
     ContainerInfo,
     ContainerRuntime,
@@ -45,6 +47,7 @@ from gpusnap.storage.manifest import check_workload
 
 log = logging.getLogger(__name__)
 
+FRESH_S = 1.0
 # What podman, runc and containerd accept as a container name.
 _CONTAINER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -70,6 +73,16 @@ class ContainerCheckpointPlan:
     config: WorkloadConfig | None
     leave_running: bool
     compress: bool | None = None
+    # The service's look at the container, and when (time.monotonic()): a job that starts
+    # within FRESH_S of it uses it instead of asking the runtime again (one call less of
+    # the trigger-to-commit time); a job that waited in the queue looks again.
+    info: ContainerInfo | None = None
+    inspected_at: float = 0.0
+
+    def fresh_info(self) -> ContainerInfo | None:
+        if self.info is not None and time.monotonic() - self.inspected_at < FRESH_S:
+            return self.info
+        return None
 
 
 def container_plan(
@@ -104,6 +117,8 @@ def container_plan(
         config=workload,
         leave_running=leave_running,
         compress=compress,
+        info=info,
+        inspected_at=time.monotonic(),
     )
 
 
@@ -115,7 +130,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     parent = latest.checkpoint_id if latest is not None else None
 
     rt = node.containers.get(plan.runtime)
-    info = rt.inspect(plan.container_id)
+    info = plan.fresh_info() or rt.inspect(plan.container_id)
     if not info.running:
         raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
     pids = list(info.pids)
@@ -129,6 +144,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     staging = node.dirs.job_staging(ctx.job_id)
     dest = staging / "container"
     gpu_memory = MemoryUploads(store)
+    streamer: PartsStreamer | None = None
     try:
         ctx.phase(Phase.FREEZE_GPU)
         t_freeze = time.monotonic()
@@ -137,9 +153,18 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
 
         ctx.phase(Phase.DUMP)
         prepare = time.time() - job_started
+        # A first checkpoint uploads everything: overlap that with the runtime's export.
+        arrivals = Arrivals() if parent is None and node.config.daemon.upload_during_dump else None
+        if arrivals is not None:
+            streamer = PartsStreamer(store, dest, arrivals, compress=plan.compress)
+            streamer.start()
         try:
-            parts = rt.checkpoint(info.id, dest, leave_running=plan.leave_running)
+            parts = rt.checkpoint(
+                info.id, dest, leave_running=plan.leave_running, info=info, arrivals=arrivals
+            )
         except GpusnapError:
+            if streamer is not None:
+                streamer.abort()
             if freeze.cuda_pids:
                 thaw_after_failure(node, freeze)
             raise
@@ -195,7 +220,9 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
                 progress=ctx.progress,
                 compress=plan.compress,
                 extra={"job": ctx.job_id, "pause_seconds": round(pause, 6), "container": summary},
-                uploaded_streams=gpu_memory.uploaded,
+                uploaded_streams=merged(
+                    gpu_memory.uploaded, streamer.finish() if streamer is not None else None
+                ),
             )
         except GpusnapError as err:
             if not plan.leave_running:
@@ -215,6 +242,8 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
             ctx, pushed, workload=plan.workload, parent=parent, leave_running=plan.leave_running
         )
     finally:
+        if streamer is not None:
+            streamer.abort()  # a no-op once finished; else it must stop reading staging
         shutil.rmtree(staging, ignore_errors=True)
 
 

@@ -15,6 +15,7 @@ storage, no proto.
 
 from __future__ import annotations
 
+from gpusnap.daemon.containers.archive import Arrivals
 from gpusnap.daemon.containers.compat import Mismatch, container_mismatches, container_reasons
 from gpusnap.daemon.containers.containerd import ContainerdRuntime
 from gpusnap.daemon.containers.model import (
@@ -65,6 +66,7 @@ __all__ = [
     "PART_RUNTIME",
     "RECORD_NAME",
     "RUNTIMES",
+    "Arrivals",
     "CheckpointParts",
     "ContainerInfo",
     "ContainerRuntime",

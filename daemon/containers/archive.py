@@ -28,6 +28,8 @@ from gpusnap.errors import Corrupt, Internal
 
 log = logging.getLogger(__name__)
 
+_BUF = 1 << 20
+
 
 def _files_only(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     if not (member.isfile() or member.isdir()):
@@ -38,17 +40,44 @@ def _files_only(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     return out
 
 
+class Arrivals:
+    """The files of a checkpoint as they arrive in its directory, in order: written by a
+    ``TarReceiver`` on its thread, read by whoever uploads them meanwhile on another. A file is
+    complete once a later one has started, or once the runtime's call is over (``done``)."""
+
+    def __init__(self) -> None:
+        self._files: list[tuple[str, int]] = []  # (relative path, size from the tar header)
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+
+    def started(self, rel: str, size: int) -> None:
+        with self._lock:
+            self._files.append((rel, size))
+
+    def files(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return list(self._files)
+
+    def complete(self, rel: str) -> bool:
+        if self.done.is_set():
+            return True
+        with self._lock:
+            return bool(self._files) and self._files[-1][0] != rel
+
+
 class TarReceiver:
     """A FIFO at ``fifo`` whose tar stream is unpacked into ``dest`` while it is written.
 
-    Use as a context manager around the runtime call that writes to ``fifo``; ``close()``
+    ``arrivals`` hears of each file as it starts to arrive (an upload can follow it). Use as a
+    context manager around the runtime call that writes to ``fifo``; ``close()``
     (or leaving the block) waits for the unpacking and raises what went wrong in it. When the
     runtime failed before opening the FIFO, leaving the block unblocks the reader.
     """
 
-    def __init__(self, fifo: Path, dest: Path) -> None:
+    def __init__(self, fifo: Path, dest: Path, arrivals: Arrivals | None = None) -> None:
         self.fifo = fifo
         self.dest = dest
+        self.arrivals = arrivals
         self.members = 0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._receive, name="gpusnap-untar", daemon=True)
@@ -69,8 +98,16 @@ class TarReceiver:
 
     def _receive(self) -> None:
         try:
-            with open(self.fifo, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+            # Large reads and copies: a checkpoint is mostly a few big page images, and
+            # tarfile's 10 KiB records and 16 KiB copies would make most of its cost calls.
+            with (
+                open(self.fifo, "rb", buffering=_BUF) as f,
+                tarfile.open(fileobj=f, mode="r|", bufsize=_BUF) as tar,
+            ):
+                tar.copybufsize = _BUF  # type: ignore[attr-defined]  # (CPython's; not in typeshed)
                 for member in tar:
+                    if self.arrivals is not None and member.isfile():
+                        self.arrivals.started(os.path.normpath(member.name), member.size)
                     tar.extract(member, self.dest, filter=_files_only)
                     self.members += 1
                 # Drain what follows the archive's end so the writer never blocks on a full pipe.
@@ -78,6 +115,9 @@ class TarReceiver:
                     pass
         except BaseException as exc:
             self._error = exc
+        finally:
+            if self.arrivals is not None:
+                self.arrivals.done.set()
 
     def close(self, *, failed: bool = False) -> None:
         # Once the runtime has returned it has closed its end, so one more writer opening and

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.containers.archive import TarReceiver, pack
+from gpusnap.daemon.containers.archive import Arrivals, TarReceiver, pack
 from gpusnap.daemon.containers.model import (
     PART_CONFIG,
     PART_CRIU,
@@ -106,6 +106,7 @@ class PodmanRuntime:
         if runtime_root is not None:
             args += ["--runtime-flag", f"root={runtime_root}"]
         self.tool = RuntimeTool("podman", binary, args, criu=criu, timeout=timeout)
+        self._digests: dict[str, tuple[str, ...]] = {}
 
     def version(self) -> str:
         return self.tool.version(["--version"], MIN_VERSION)
@@ -143,6 +144,8 @@ class PodmanRuntime:
     def _image_digests(self, image_id: str) -> tuple[str, ...]:
         if not image_id:
             return ()
+        if image_id in self._digests:  # an image id names the same image for ever
+            return self._digests[image_id]
         proc = self.tool.run(["image", "inspect", image_id], what="image inspect", check=False)
         if proc.returncode != 0:
             return ()
@@ -150,7 +153,8 @@ class PodmanRuntime:
         found = [img.get("Digest", "")] + [
             r.split("@", 1)[-1] for r in img.get("RepoDigests") or []
         ]
-        return tuple(sorted({x for x in found if x}))
+        self._digests[image_id] = tuple(sorted({x for x in found if x}))
+        return self._digests[image_id]
 
     def image_present(self, image_id: str) -> bool:
         self.version()
@@ -162,8 +166,16 @@ class PodmanRuntime:
 
     # --- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
-        info = self.inspect(ref)
+    def checkpoint(
+        self,
+        ref: str,
+        dest: Path,
+        *,
+        leave_running: bool,
+        info: ContainerInfo | None = None,
+        arrivals: Arrivals | None = None,
+    ) -> CheckpointParts:
+        info = info or self.inspect(ref)
         if not info.running:
             raise FailedPrecondition(f"podman: container {info.name!r} is not running")
         dest.mkdir(parents=True, exist_ok=False)
@@ -182,7 +194,7 @@ class PodmanRuntime:
         t0 = time.monotonic()
         with (
             checkpoint_attempt("podman", info, dest, lambda: self.inspect(info.id).running),
-            TarReceiver(fifo, dest),
+            TarReceiver(fifo, dest, arrivals),
         ):
             self.tool.run([*args, info.id], what="checkpoint")
         seconds = time.monotonic() - t0

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpusnap.daemon.containers.archive import Arrivals
 from gpusnap.daemon.containers.model import (
     PART_CONFIG,
     PART_CRIU,
@@ -123,8 +124,16 @@ class RuncRuntime:
 
     # --- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
-        info = self.inspect(ref)
+    def checkpoint(
+        self,
+        ref: str,
+        dest: Path,
+        *,
+        leave_running: bool,
+        info: ContainerInfo | None = None,
+        arrivals: Arrivals | None = None,
+    ) -> CheckpointParts:
+        info = info or self.inspect(ref)
         if not info.running:
             raise FailedPrecondition(f"runc: container {ref!r} is not running")
         st = self._state(ref)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from gpusnap.daemon.containers.archive import Arrivals
 from gpusnap.daemon.containers.model import CheckpointParts, ContainerInfo, ContainerSpec
 from gpusnap.errors import (
     DeadlineExceeded,
@@ -54,12 +55,24 @@ class ContainerRuntime(Protocol):
         ``NotFound`` when this runtime has no such container."""
         ...
 
-    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
+    def checkpoint(
+        self,
+        ref: str,
+        dest: Path,
+        *,
+        leave_running: bool,
+        info: ContainerInfo | None = None,
+        arrivals: Arrivals | None = None,
+    ) -> CheckpointParts:
         """Checkpoint the running container into ``dest`` (created; must not exist) as parts.
 
         Without ``leave_running`` the container is stopped by the checkpoint. The caller has
-        already frozen the GPU state of ``inspect(ref).pids``. ``FailedPrecondition`` when the
-        container is not running or exits meanwhile; nothing is left in ``dest`` on failure.
+        already frozen the GPU state of ``inspect(ref).pids`` (``info``: that inspection, which
+        the record then holds, instead of asking the runtime again). ``arrivals``, where the
+        runtime exports an archive (podman, containerd), hears of each file as it arrives in
+        ``dest``, so an upload can follow it (runc: CRIU writes ``dest`` itself; nothing is
+        said). ``FailedPrecondition`` when the container is not running or exits meanwhile;
+        nothing is left in ``dest`` on failure.
         """
         ...
 

@@ -31,6 +31,7 @@ from tests.containers.conftest import (
 )
 from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
 from tests.containers.image import WORKLOAD_DIR
+from tests.support.mounts import tmpfs
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -286,3 +287,30 @@ def test_a_missing_or_too_old_runtime_is_a_clear_error_naming_it(
     assert res.rc == 3 and "no container 'llm'" in res.stderr and "not found" in res.stderr
     res = a.cli("checkpoint", "--pid", "1", "--runtime", "podman")
     assert res.rc == 2 and "goes with a container" in res.stderr
+
+
+def test_a_kill_mode_checkpoint_whose_upload_fails_restores_the_container_from_its_parts(
+    node_a: Node, daemons: Daemons, tmp_path: Path
+) -> None:
+    expected = reference(tmp_path / "ref", LONG)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("drescue")
+    # The store is a 4 MiB file system: it answers, and fills up during the upload.
+    with tmpfs(tmp_path / "small", "size=4m") as small:
+        d = daemons.make("a", extra_config=podman_section(node_a), store_url=f"file://{small}")
+        a = d.start()
+        node_a.podman.create(genloop_spec(node_a, out, steps=LONG), name=name)
+        try:
+            wait_lines(out, LONG // 6)
+            res = a.cli("checkpoint", "--container", name, "--wait", "--json")
+            assert res.rc == 1, res.stdout + res.stderr
+            error = res.json["error"]
+            assert "No space left" in error or "full" in error, error
+            assert "the container was restored on this node from the local checkpoint" in error
+            assert node_a.podman.inspect(name).running
+            assert wait_done(out) == expected  # it went on from where it was frozen
+            assert cli_json(a, "ls")["checkpoints"] == []
+        finally:
+            node_a.podman.remove(name)
+            a.stop()
