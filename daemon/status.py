@@ -144,12 +144,24 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
             "criu": _criu_line(node),
             "gpu": str(gpu.get("message") or ("present" if gpu.get("driver_present") else "none")),
             "store": "reachable" if store_ok else f"unreachable: {store_error}",
+            "containers": _containers_line(node),
         },
         "jobs_running": daemon.jobs_running,
         "workloads": [{"name": name, **info} for name, info in last.items()],
         "interrupted_at_start": daemon.interrupted_at_start,
         "triggers": daemon.triggers,
     }
+
+
+def _containers_line(node: Node) -> str:
+    """Each runtime of ``[containers] detect`` with its version, or why it cannot be used."""
+    out: list[str] = []
+    for name in node.containers.detect:
+        try:
+            out.append(f"{name} {node.containers.get(name).version()}")
+        except GpusnapError as err:  # its message names the runtime
+            out.append(str(err) if str(err).startswith(name) else f"{name}: {err}")
+    return "; ".join(out)
 
 
 def _criu_line(node: Node) -> str:

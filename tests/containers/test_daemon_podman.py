@@ -287,6 +287,15 @@ def test_a_missing_or_too_old_runtime_is_a_clear_error_naming_it(
     assert res.rc == 3 and "no container 'llm'" in res.stderr and "not found" in res.stderr
     res = a.cli("checkpoint", "--pid", "1", "--runtime", "podman")
     assert res.rc == 2 and "goes with a container" in res.stderr
+    # What the operator sees of each runtime, in detection order.
+    caps = cli_json(a, "status")["capabilities"]["containers"]
+    assert (
+        caps
+        == f"podman: {missing} not found (install it, see scripts/install-containers.sh); "
+        + (f"runc: {missing} not found (install it, see scripts/install-containers.sh)")
+    )
+    caps = cli_json(b, "status")["capabilities"]["containers"]
+    assert caps.startswith("podman 3.4.4 is too old") and "runc 1." in caps, caps
 
 
 def test_a_kill_mode_checkpoint_whose_upload_fails_restores_the_container_from_its_parts(

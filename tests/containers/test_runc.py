@@ -170,7 +170,10 @@ def test_runc_container_checkpointed_by_gpusnapd_restores_on_another_node_bit_ex
         "image_digest": IMAGE_ID,
     }
     assert lines(out) < steps
-    restored = cli_json(b, "restore", done["checkpoint_id"], "--wait")
+    # Under a new name: a bundle of node B's own, over its image directory and the rootfs
+    # diff (with the old name, runc would restore into node A's bundle, on this one machine).
+    restored = cli_json(b, "restore", done["checkpoint_id"], "--name", f"{name}-b", "--wait")
     assert restored["mode"] == "restored", restored
-    assert restored["pids"] == list(runc_b.inspect(name).pids)
+    assert restored["pids"] == list(runc_b.inspect(f"{name}-b").pids)
+    assert (runc_b.bundles / f"{name}-b" / "upper").is_dir()
     assert wait_done(out) == expected

@@ -835,7 +835,7 @@ class DaemonStatus(_message.Message):
 
     @_builtins.property
     def capabilities(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """one line each: "criu", "gpu", "store" """
+        """one line each: "criu", "gpu", "store", "containers" """
 
     @_builtins.property
     def workloads(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkloadStatus]:
