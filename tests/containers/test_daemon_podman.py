@@ -9,12 +9,14 @@ weights and the loop's state all came back exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from gpusnap.daemon.containers import Device
 from tests.containers.conftest import (
     STEPS_DEFAULT,
     Node,
@@ -48,7 +50,11 @@ def test_a_container_checkpointed_through_gpusnapd_restores_in_place_bit_exactly
     out.mkdir()
     name = unique("dinplace")
     a = start_daemon(daemons, "a", podman_section(node_a))
-    node_a.podman.create(genloop_spec(node_a, out, steps=LONG), name=name)
+    # A device node given to the container, as a GPU's would be (/dev/null stands in).
+    spec = dataclasses.replace(
+        genloop_spec(node_a, out, steps=LONG), devices=(Device("/dev/null", "/dev/gpu0"),)
+    )
+    node_a.podman.create(spec, name=name)
     try:
         wait_lines(out, LONG // 6)
         done = cli_json(a, "checkpoint", "--container", name, "--wait")
@@ -66,6 +72,10 @@ def test_a_container_checkpointed_through_gpusnapd_restores_in_place_bit_exactly
         assert c["config"]["command"][:2] == ["python3", "/gen/genloop.py"]
         assert {"nofile", "nproc"} <= {u["name"] for u in c["config"]["ulimits"]}
         assert c["parts"]["criu"] > 16 << 20  # the weights' pages, at least
+        assert c["devices"] == [
+            {"path": "/dev/null", "container_path": "/dev/gpu0", "permissions": "rwm"}
+        ]
+        assert set(c["cgroup_limits"]) >= {"memory", "pids"}
 
         restored = cli_json(a, "restore", done["checkpoint_id"], "--wait")
         assert restored["mode"] == "restored", restored
