@@ -297,6 +297,8 @@ def test_a_missing_or_too_old_runtime_is_a_clear_error_naming_it(
     assert res.rc == 3 and "no container 'llm'" in res.stderr and "not found" in res.stderr
     res = a.cli("checkpoint", "--pid", "1", "--runtime", "podman")
     assert res.rc == 2 and "goes with a container" in res.stderr
+    res = a.cli("restore", "--workload", "llm", "--latest", "--name", "no/slashes")
+    assert res.rc == 2 and "not a container name: 'no/slashes'" in res.stderr
     # What the operator sees of each runtime, in detection order.
     caps = cli_json(a, "status")["capabilities"]["containers"]
     assert (
