@@ -212,12 +212,18 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
         workload: str | None = None,
         leave_running: bool = False,
         trigger: str = "",
+        container: str | None = None,
+        runtime: str | None = None,
     ) -> dict[str, Any]:
-        request = pb.CreateCheckpointRequest(leave_running=leave_running, trigger=trigger)
+        request = pb.CreateCheckpointRequest(
+            leave_running=leave_running, trigger=trigger, runtime=runtime or ""
+        )
         if pid is not None:
             request.pid = pid
         if workload is not None:
             request.workload = workload
+        if container is not None:
+            request.container = container
         return wire.job_from_pb(self._unary(self._checkpoints.Create, request))
 
     def restore(
@@ -226,9 +232,13 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
         checkpoint_id: str | None = None,
         workload: str | None = None,
         latest: bool = False,
+        name: str | None = None,
     ) -> dict[str, Any]:
         request = pb.RestoreRequest(
-            checkpoint_id=checkpoint_id or "", workload=workload or "", latest=latest
+            checkpoint_id=checkpoint_id or "",
+            workload=workload or "",
+            latest=latest,
+            name=name or "",
         )
         return wire.job_from_pb(self._unary(self._restores.Restore, request))
 

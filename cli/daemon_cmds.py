@@ -48,11 +48,17 @@ _STATE_KINDS = {"failed": "internal", "cancelled": "cancelled", "interrupted": "
 
 
 def register(subparsers: Subparsers) -> None:
-    what = "checkpoint a process tree or a configured workload"
+    what = "checkpoint a process tree, a configured workload or a container"
     p = add_command(subparsers, "checkpoint", cmd_checkpoint, what)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--pid", type=pid_arg, metavar="PID", help="root of the process tree")
     target.add_argument("--workload", metavar="NAME", help="a workload from the daemon's config")
+    target.add_argument("--container", metavar="NAME|ID", help="a container, with its GPU state")
+    p.add_argument(
+        "--runtime",
+        choices=("podman", "runc", "containerd"),
+        help="the container's runtime (default: the first of the daemon's that has it)",
+    )
     p.add_argument(
         "--leave-running", action="store_true", help="keep the workload running after the dump"
     )
@@ -64,6 +70,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("checkpoint_id", nargs="?", metavar="ID", help="the checkpoint to restore")
     p.add_argument("--workload", metavar="NAME", help="with --latest: this workload's newest")
     p.add_argument("--latest", action="store_true", help="the workload's newest checkpoint")
+    p.add_argument(
+        "--name", metavar="NEW", help="a container checkpoint: restore as this container"
+    )
     p.add_argument("--wait", action="store_true", help="follow the job to its end")
 
     what = "would this checkpoint restore on this node? (and why not)"
@@ -211,11 +220,15 @@ def _succeeded_line(job: dict[str, Any], s: dict[str, Any]) -> str:
             size = f", {human_bytes(uploaded)} uploaded of {human_bytes(total)}"
         return f"checkpoint {s.get('checkpoint_id')} committed{took}{paused}{size}"
     pids = ", ".join(str(p) for p in s.get("pids") or []) or "-"
+    container = s.get("container")
+    as_container = f" as container {container.get('name')}" if isinstance(container, dict) else ""
     if s.get("mode") == "cold-start":
-        lines = [f"cold-started {job['workload'] or '-'}{took} (pids {pids}); reasons:"]
+        lines = [
+            f"cold-started {job['workload'] or '-'}{as_container}{took} (pids {pids}); reasons:"
+        ]
         lines.extend(f"  - {_reason_text(r)}" for r in s.get("reasons") or [])
         return "\n".join(lines)
-    return f"restored {s.get('checkpoint_id')}{took} (pids {pids})"
+    return f"restored {s.get('checkpoint_id')}{as_container}{took} (pids {pids})"
 
 
 def _reason_text(reason: Any) -> str:
@@ -245,7 +258,11 @@ def _queued_or_followed(
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     with connect(args) as client:
         job = client.checkpoint(
-            pid=args.pid, workload=args.workload, leave_running=args.leave_running
+            pid=args.pid,
+            workload=args.workload,
+            leave_running=args.leave_running,
+            container=args.container,
+            runtime=args.runtime,
         )
         return _queued_or_followed(args, client, job, CHECKPOINT_WAIT_KEYS)
 
@@ -254,7 +271,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
     # Which of ID, --workload and --latest go together is the daemon's to check (exit 2).
     with connect(args) as client:
         job = client.restore(
-            checkpoint_id=args.checkpoint_id, workload=args.workload, latest=args.latest
+            checkpoint_id=args.checkpoint_id,
+            workload=args.workload,
+            latest=args.latest,
+            name=args.name,
         )
         return _queued_or_followed(args, client, job, RESTORE_WAIT_KEYS)
 

@@ -38,6 +38,7 @@ from gpusnap.daemon.rescue import Rescue
 from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.storecheck import StoreChecker
 from gpusnap.errors import GpusnapError, with_message
+from gpusnap.storage.push import PushResult
 from gpusnap.storage.streams import UploadedStreams
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
             if pages is not None:
                 pages.abort()
             if freeze.cuda_pids:
-                _thaw_after_failure(node, freeze)
+                thaw_after_failure(node, freeze)
             raise
         if not plan.leave_running:
             # The tree is gone; from here on cancelling would lose the workload.
@@ -206,27 +207,16 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                 raise with_message(err, f"{err}; {rescued}") from err
             raise
         ctx.phase(Phase.COMMIT)
-        committed = time.time()
-        result: dict[str, Any] = {
-            "checkpoint_id": pushed.checkpoint_id,
-            "parent": parent,
-            "seconds": round(committed - job_started, 6),
-            "upload_seconds": round(pushed.seconds, 6),
-            "bytes_total": pushed.bytes_total,
-            "bytes_uploaded": pushed.bytes_uploaded,
-            "chunks_total": pushed.chunks_total,
-            "chunks_uploaded": pushed.chunks_uploaded,
-            "leave_running": plan.leave_running,
-            "full": full is not None,
-        }
-        if full is not None:
-            result["full_reason"] = full
-        if ctx.deadline is not None:
-            result["committed_before_deadline"] = committed <= ctx.deadline
-        ctx.result(**result)
+        record_commit(
+            ctx,
+            pushed,
+            workload=plan.workload,
+            parent=parent,
+            leave_running=plan.leave_running,
+            full=full,
+        )
         if full is not None and plan.store_check is not None:
             plan.store_check.full_committed(plan.workload, pushed.checkpoint_id)
-        METRICS.set_last_checkpoint(plan.workload, committed)
         remove_logs(dump_log)
     finally:
         hooks.after_checkpoint(pids)  # post_thaw, where a failure left the workload running
@@ -282,8 +272,41 @@ def _uploaded_streams(
     return merged
 
 
-def _thaw_after_failure(node: Node, freeze: Any) -> None:
+def thaw_after_failure(node: Node, freeze: Any) -> None:
+    """Give a freeze's processes their GPU state back after the dump failed (logged if not)."""
     try:
         node.gpu.thaw(freeze)
     except GpusnapError as err:
         log.warning("GPU thaw after a failed dump failed too: %s", err)
+
+
+def record_commit(
+    ctx: JobContext,
+    pushed: PushResult,
+    *,
+    workload: str,
+    parent: str | None,
+    leave_running: bool,
+    full: str | None = None,
+) -> None:
+    """The committed checkpoint in the job's result (its id, sizes, times, whether before the
+    deadline, whether a full one and why) and in the metrics."""
+    committed = time.time()
+    result: dict[str, Any] = {
+        "checkpoint_id": pushed.checkpoint_id,
+        "parent": parent,
+        "seconds": round(committed - ctx.created_at, 6),
+        "upload_seconds": round(pushed.seconds, 6),
+        "bytes_total": pushed.bytes_total,
+        "bytes_uploaded": pushed.bytes_uploaded,
+        "chunks_total": pushed.chunks_total,
+        "chunks_uploaded": pushed.chunks_uploaded,
+        "leave_running": leave_running,
+        "full": full is not None,
+    }
+    if full is not None:
+        result["full_reason"] = full
+    if ctx.deadline is not None:
+        result["committed_before_deadline"] = committed <= ctx.deadline
+    ctx.result(**result)
+    METRICS.set_last_checkpoint(workload, committed)

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusnap.daemon.config_table import Table
+from gpusnap.daemon.container_config import ContainersSection, parse_containers
+from gpusnap.daemon.containers.runtimes import RUNTIMES
 from gpusnap.daemon.hooks_config import WorkloadHooks, parse_hooks
 from gpusnap.daemon.reclaim.config import (
     POLICY_KEYS,
@@ -126,6 +128,8 @@ class WorkloadConfig:
     # gpusnap.daemon.reclaim.config reads them; None: the defaults.
     policy: WorkloadPolicy | None = None
     hooks: WorkloadHooks | None = None  # commands around a checkpoint and a restore (hooks.py)
+    container: str | None = None  # a container workload: its name or id (docs/containers.md)
+    runtime: str | None = None  # its runtime; None: detected ([containers] detect)
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ class Config:
     metrics: MetricsSection
     triggers: TriggersConfig
     migration: MigrationConfig
+    containers: ContainersSection = field(default_factory=ContainersSection)
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     def workload(self, name: str) -> WorkloadConfig | None:
@@ -212,6 +217,7 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
     metrics = _parse_metrics(top.table("metrics"))
     triggers = parse_triggers(top.raw_table("triggers"))
     migration = parse_migration(top.raw_table("migration"))
+    containers = parse_containers(top.table("containers"))
     top.done()
     _check_store_keys(store)
     return Config(
@@ -223,6 +229,7 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
         metrics=metrics,
         triggers=triggers,
         migration=migration,
+        containers=containers,
         raw=dict(data),
     )
 
@@ -367,11 +374,20 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 raise InvalidArgument(
                     f"{t.where}: key 'match': not a regular expression: {exc}"
                 ) from None
-        given = (("pid_file", pid_file), ("systemd_unit", unit), ("match", match))
+        container = t.string("container")
+        runtime = t.choice("runtime", RUNTIMES)
+        if runtime is not None and container is None:
+            raise t.bad("runtime", "goes with 'container' (the runtime that runs it)")
+        given = (
+            ("pid_file", pid_file),
+            ("systemd_unit", unit),
+            ("match", match),
+            ("container", container),
+        )
         finders = [k for k, v in given if v is not None]
         if len(finders) > 1:
             raise InvalidArgument(
-                f"{t.where}: give one of 'pid_file', 'systemd_unit', 'match'"
+                f"{t.where}: give one of 'pid_file', 'systemd_unit', 'match', 'container'"
                 f" (got {', '.join(finders)})"
             )
         engine: EngineSpec | None = None
@@ -427,6 +443,8 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 start=start,
                 policy=policy,
                 hooks=hooks,
+                container=container,
+                runtime=runtime,
             )
         )
         t.done()

@@ -3,8 +3,9 @@
 The service builds one ``Node`` at start and hands it to every job body (``checkpoint.py``,
 ``restore.py``, ``rescue.py``); a body never sees the service, so nothing calls back into it.
 A ``Node`` holds: the config, CRIU, GPU support, the store (opened lazily), the state
-directories, this host's facts, and the reaper that adopts what a job restores or starts. It
-also answers the compatibility gate for a manifest (host rules and GPU rules together).
+directories, this host's facts, the reaper that adopts what a job restores or starts, and the
+container runtimes. It also answers the compatibility gate for a manifest (host, GPU and
+container rules together).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpusnap.daemon.compat import NodeFacts, check_compat
 from gpusnap.daemon.config import Config
+from gpusnap.daemon.container_stamp import container_gate
+from gpusnap.daemon.containers import RuntimeSet
 from gpusnap.daemon.gpu.adapter import GpuAdapter
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.daemon.host.reaper import Reaper
@@ -93,6 +96,7 @@ class Node:
     dirs: StateDirs
     host: HostFacts
     reaper: Reaper
+    containers: RuntimeSet = field(default_factory=RuntimeSet)  # podman, runc, containerd
 
     def adopt(self, pid: int, proc: subprocess.Popen[bytes] | None = None) -> None:
         """Reap ``pid`` when it exits (a restored root made our child, or a cold start)."""
@@ -122,4 +126,5 @@ class Node:
         reasons = check_compat(stamp, self.facts(manifest.workload))
         gpu_stamp = stamp.get("gpu")
         reasons += self.gpu.compat_reasons(gpu_stamp if isinstance(gpu_stamp, dict) else {})
+        reasons += container_gate(self.containers, stamp)
         return reasons

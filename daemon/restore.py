@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpusnap.daemon.container_restore import run_container_restore
+from gpusnap.daemon.container_stamp import is_container
 from gpusnap.daemon.gpu_memory import committed_source
 from gpusnap.daemon.gpu_tree import give_up
 from gpusnap.daemon.hooks import JobHooks
@@ -23,7 +25,7 @@ from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
-from gpusnap.errors import FailedPrecondition, GpusnapError, NotFound
+from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage import CheckpointStore, Manifest
 from gpusnap.storage.streams import GPU_MEMORY_KIND
 
@@ -36,6 +38,7 @@ class RestorePlan:
 
     checkpoint_id: str | None
     workload: str | None
+    name: str | None = None  # a container checkpoint restored under another name
 
 
 def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
@@ -48,6 +51,13 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
     if ctx.workload != manifest.workload:
         ctx.set_workload(manifest.workload)
     ctx.result(checkpoint_id=manifest.checkpoint_id)
+    if is_container(manifest.stamp):
+        run_container_restore(node, ctx, manifest, name=plan.name)
+        return
+    if plan.name is not None:
+        raise InvalidArgument(
+            f"--name is for container checkpoints; {manifest.checkpoint_id} is a process tree's"
+        )
 
     reasons = node.reasons(manifest)
     if reasons:

@@ -27,12 +27,18 @@ from gpusnap.daemon import recovery
 from gpusnap.daemon import status as status_report
 from gpusnap.daemon.checkpoint import CheckpointPlan, run_checkpoint
 from gpusnap.daemon.config import Config, WorkloadConfig
+from gpusnap.daemon.container_checkpoint import (
+    check_container_name,
+    container_plan,
+    run_container_checkpoint,
+)
+from gpusnap.daemon.containers import RuntimeSet
 from gpusnap.daemon.gpu.adapter import GpuAdapter, open_gpu
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.daemon.host.reaper import Reaper
 from gpusnap.daemon.host.target import pid_root, workload_root
-from gpusnap.daemon.jobs.executor import JobExecutor
+from gpusnap.daemon.jobs.executor import JobContext, JobExecutor
 from gpusnap.daemon.jobs.job import Job, JobKind
 from gpusnap.daemon.jobs.journal import Journal
 from gpusnap.daemon.metrics import METRICS
@@ -93,6 +99,11 @@ class DaemonService:
             dirs=dirs,
             host=HostFacts(criu, config.daemon.node_id),
             reaper=reaper,
+            containers=RuntimeSet(
+                config.containers.options,
+                detect=config.containers.detect,
+                criu=lambda: criu.path,
+            ),
         )
         # A dead daemon's jobs: interrupted, and what they left in staging settled (a
         # kill-mode dump's images restored) before any new job runs (daemon/recovery.py).
@@ -128,16 +139,33 @@ class DaemonService:
         trigger: str = "operator",
         deadline: float | None = None,
         compress: bool | None = None,
+        container: str | None = None,
+        runtime: str | None = None,
     ) -> Job:
         """Queue a checkpoint; returns at once. ``compress`` None: the config decides."""
-        if (pid is None) == (workload is None):
-            raise InvalidArgument("give exactly one of a pid or a workload name")
+        if [pid, workload, container].count(None) != 2:
+            raise InvalidArgument("give exactly one of a pid, a workload name or a container")
+        if runtime is not None and container is None:
+            raise InvalidArgument("a runtime goes with a container (--container NAME --runtime)")
         wcfg: WorkloadConfig | None = None
         if workload is not None:
             wcfg = self.config.workload(workload)
             if wcfg is None:
                 known = ", ".join(w.name for w in self.config.workloads) or "none"
                 raise NotFound(f"no workload {workload!r} in the config (configured: {known})")
+        if wcfg is not None and wcfg.container is not None:
+            container, runtime = wcfg.container, wcfg.runtime
+        if container is not None:
+            return self._checkpoint_container(
+                container,
+                runtime=runtime,
+                workload=wcfg,
+                leave_running=leave_running,
+                trigger=trigger,
+                deadline=deadline,
+                compress=compress,
+            )
+        if wcfg is not None:
             root = workload_root(wcfg)
             name = wcfg.name
         else:
@@ -156,10 +184,47 @@ class DaemonService:
             store_check=self.store_check,
         )
         node = self.node
+        return self._submit_checkpoint(
+            name, lambda ctx: run_checkpoint(node, ctx, plan), trigger, deadline
+        )
+
+    def _checkpoint_container(
+        self,
+        ref: str,
+        *,
+        runtime: str | None,
+        workload: WorkloadConfig | None,
+        leave_running: bool,
+        trigger: str,
+        deadline: float | None,
+        compress: bool | None,
+    ) -> Job:
+        plan = container_plan(
+            self.node.containers,
+            self.config,
+            ref=ref,
+            runtime=runtime,
+            workload=workload,
+            leave_running=leave_running,
+            compress=self.config.store.compress if compress is None else compress,
+        )
+        node = self.node
+        return self._submit_checkpoint(
+            plan.workload, lambda ctx: run_container_checkpoint(node, ctx, plan), trigger, deadline
+        )
+
+    def _submit_checkpoint(
+        self,
+        name: str,
+        body: Callable[[JobContext], None],
+        trigger: str,
+        deadline: float | None,
+    ) -> Job:
+        """Queue checkpoint job ``body`` of workload ``name``: one at a time per workload."""
         return self.executor.submit(
             JobKind.CHECKPOINT,
             name,
-            lambda ctx: run_checkpoint(node, ctx, plan),
+            body,
             trigger=trigger,
             deadline=deadline,
             exclusive=f"checkpoint:{name}",
@@ -180,7 +245,10 @@ class DaemonService:
         checkpoint_id: str | None = None,
         workload: str | None = None,
         latest: bool = False,
+        name: str | None = None,
     ) -> Job:
+        if name is not None:
+            check_container_name(name)
         if checkpoint_id:
             check_checkpoint_id(checkpoint_id)
             if workload or latest:
@@ -194,7 +262,9 @@ class DaemonService:
         else:
             raise InvalidArgument("give a checkpoint id, or --workload NAME --latest")
         self.node.require_verified("restore")
-        plan = RestorePlan(checkpoint_id=checkpoint_id or None, workload=workload or None)
+        plan = RestorePlan(
+            checkpoint_id=checkpoint_id or None, workload=workload or None, name=name
+        )
         node = self.node
         return self.executor.submit(
             JobKind.RESTORE,

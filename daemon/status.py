@@ -70,7 +70,7 @@ def workloads(node: Node, active: Callable[[str], Job | None]) -> list[dict[str,
     for w in node.config.workloads:
         pid: int | None
         try:
-            pid = workload_root(w)
+            pid = _container_pid(node, w) if w.container else workload_root(w)
         except GpusnapError:
             pid = None
         job = active(w.name)
@@ -96,7 +96,15 @@ def workloads(node: Node, active: Callable[[str], Job | None]) -> list[dict[str,
     return out
 
 
+def _container_pid(node: Node, w: WorkloadConfig) -> int | None:
+    """A container workload's init, by its host pid, while it runs."""
+    _, info = node.containers.find(w.container or "", w.runtime)
+    return info.pids[0] if info.running else None
+
+
 def _finder(w: WorkloadConfig) -> str:
+    if w.container:
+        return f"container {w.container}" + (f" ({w.runtime})" if w.runtime else "")
     if w.pid_file:
         return f"pid_file {w.pid_file}"
     if w.systemd_unit:
@@ -138,6 +146,7 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
             "criu": _criu_line(node),
             "gpu": str(gpu.get("message") or ("present" if gpu.get("driver_present") else "none")),
             "store": "reachable" if store_ok else f"unreachable: {store_error}",
+            "containers": _containers_line(node),
         },
         "jobs_running": daemon.jobs_running,
         "workloads": [{"name": name, **info} for name, info in last.items()],
@@ -146,6 +155,17 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
         "store_check": daemon.store_check,
         "trigger_provider": daemon.trigger_provider,
     }
+
+
+def _containers_line(node: Node) -> str:
+    """Each runtime of ``[containers] detect`` with its version, or why it cannot be used."""
+    out: list[str] = []
+    for name in node.containers.detect:
+        try:
+            out.append(f"{name} {node.containers.get(name).version()}")
+        except GpusnapError as err:  # its message names the runtime
+            out.append(str(err) if str(err).startswith(name) else f"{name}: {err}")
+    return "; ".join(out)
 
 
 def _criu_line(node: Node) -> str:

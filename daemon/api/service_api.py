@@ -27,8 +27,11 @@ class DaemonServiceAPI(Protocol):
         leave_running: bool = False,
         trigger: str = "operator",
         deadline: float | None = None,
+        container: str | None = None,
+        runtime: str | None = None,
     ) -> JobView:
-        """Queue a checkpoint of ``pid``'s tree or of a configured workload; returns at once."""
+        """Queue a checkpoint of ``pid``'s tree, a configured workload or a container (in
+        ``runtime``, or the one that has it); returns at once."""
         ...
 
     def restore(
@@ -37,8 +40,10 @@ class DaemonServiceAPI(Protocol):
         checkpoint_id: str | None = None,
         workload: str | None = None,
         latest: bool = False,
+        name: str | None = None,
     ) -> JobView:
-        """Queue a restore of a checkpoint (or a workload's latest); returns at once."""
+        """Queue a restore of a checkpoint (or a workload's latest); returns at once. ``name``:
+        a container checkpoint restored as that container."""
         ...
 
     def compat(self, checkpoint_id: str) -> VerdictView:

@@ -83,6 +83,8 @@ class CheckpointsServicer(_Servicer, pb_grpc.CheckpointsServicer):
             leave_running=request.leave_running,
             trigger=request.trigger or "operator",
             deadline=wire.get_time(request, "deadline"),
+            container=request.container if target == "container" else None,
+            runtime=request.runtime or None,
         )
         return wire.job_to_pb(job)
 
@@ -109,6 +111,7 @@ class RestoresServicer(_Servicer, pb_grpc.RestoresServicer):
             checkpoint_id=request.checkpoint_id or None,
             workload=request.workload or None,
             latest=request.latest,
+            name=request.name or None,
         )
         return wire.job_to_pb(job)
 

@@ -5,7 +5,8 @@ One small interface (``ContainerRuntime``) with an implementation per runtime â€
 driving the runtime's own command-line tool, and ``open_runtime`` to pick one by name. The job
 bodies freeze GPU state on ``inspect(ref).pids``, call ``checkpoint`` into staging and push the
 parts directory; a restore pulls it, calls ``restore`` and thaws GPU state on the returned pids.
-``container_reasons`` gives the compatibility gate its container reasons. docs/containers.md
+``container_mismatches`` gives the compatibility gate its container reasons; ``RuntimeSet``
+holds one node's runtimes, made once from their options. docs/containers.md
 describes the layer, what each runtime needs, and what fails.
 
 Imports nothing of gpusnap's but ``gpusnap.errors`` (and itself): no other daemon module, no
@@ -14,9 +15,8 @@ storage, no proto.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gpusnap.daemon.containers.compat import container_reasons
+from gpusnap.daemon.containers.archive import Arrivals
+from gpusnap.daemon.containers.compat import Mismatch, container_mismatches, container_reasons
 from gpusnap.daemon.containers.containerd import ContainerdRuntime
 from gpusnap.daemon.containers.model import (
     PART_CONFIG,
@@ -35,22 +35,9 @@ from gpusnap.daemon.containers.model import (
 )
 from gpusnap.daemon.containers.podman import PodmanRuntime
 from gpusnap.daemon.containers.runc import RuncRuntime
-from gpusnap.daemon.containers.runtime import ContainerRuntime
-from gpusnap.errors import InvalidArgument, NotFound, Unsupported
-
-RUNTIMES = ("podman", "runc", "containerd")
-
-
-def open_runtime(name: str, **options: Any) -> ContainerRuntime:
-    """The runtime ``name`` ("podman", "runc", "containerd") with its options (each class's
-    keyword arguments: storage roots, socket, binary). Nothing runs until the first call."""
-    if name == "podman":
-        return PodmanRuntime(**options)
-    if name == "runc":
-        return RuncRuntime(**options)
-    if name == "containerd":
-        return ContainerdRuntime(**options)
-    raise InvalidArgument(f"unknown container runtime {name!r}; one of {', '.join(RUNTIMES)}")
+from gpusnap.daemon.containers.runtime import ContainerRuntime, ns_pids
+from gpusnap.daemon.containers.runtimes import RUNTIMES, RuntimeSet, open_runtime
+from gpusnap.errors import NotFound, Unsupported
 
 
 def detect_runtime(ref: str, candidates: list[ContainerRuntime]) -> ContainerRuntime:
@@ -79,18 +66,23 @@ __all__ = [
     "PART_RUNTIME",
     "RECORD_NAME",
     "RUNTIMES",
+    "Arrivals",
     "CheckpointParts",
     "ContainerInfo",
     "ContainerRuntime",
     "ContainerSpec",
     "ContainerdRuntime",
     "Device",
+    "Mismatch",
     "Mount",
     "PodmanRuntime",
     "RuncRuntime",
+    "RuntimeSet",
     "Ulimit",
+    "container_mismatches",
     "container_reasons",
     "detect_runtime",
     "load_parts",
+    "ns_pids",
     "open_runtime",
 ]

@@ -9,40 +9,86 @@ image, and gpusnap never pulls images from a registry.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gpusnap.daemon.containers.model import ContainerInfo
 from gpusnap.daemon.containers.runtime import ContainerRuntime, version_tuple
 from gpusnap.errors import GpusnapError
 
 
-def container_reasons(recorded: ContainerInfo, here: ContainerRuntime) -> list[str]:
+@dataclass(frozen=True)
+class Mismatch:
+    """One reason: the stamp field (``container.…``), what was recorded, what is here, and
+    the line an operator reads."""
+
+    field: str
+    expected: str
+    actual: str
+    message: str
+
+
+def container_mismatches(recorded: ContainerInfo, here: ContainerRuntime) -> list[Mismatch]:
     """Why ``recorded`` (from a checkpoint's record) cannot be restored through ``here``;
     empty when it can. Never raises for a missing runtime: that is a reason too."""
-    reasons: list[str] = []
     if recorded.runtime != here.name:
-        reasons.append(
-            f"container runtime differs: checkpoint taken with {recorded.runtime}, "
-            f"this node restores with {here.name}"
-        )
-        return reasons
+        return [
+            Mismatch(
+                "container.runtime",
+                recorded.runtime,
+                here.name,
+                f"container runtime differs: checkpoint taken with {recorded.runtime}, "
+                f"this node restores with {here.name}",
+            )
+        ]
     try:
         ver = here.version()
     except GpusnapError as err:
-        return [f"container runtime unusable here: {err}"]
+        return [
+            Mismatch(
+                "container.runtime_version",
+                recorded.runtime_version,
+                "(unusable)",
+                f"container runtime unusable here: {err}",
+            )
+        ]
+    out: list[Mismatch] = []
     was, now = version_tuple(recorded.runtime_version), version_tuple(ver)
     if was[:1] != now[:1]:
-        reasons.append(
-            f"{here.name} major version differs: {recorded.runtime_version} at checkpoint, "
-            f"{ver} here"
+        out.append(
+            Mismatch(
+                "container.runtime_version",
+                recorded.runtime_version,
+                ver,
+                f"{here.name} major version differs: {recorded.runtime_version} at checkpoint, "
+                f"{ver} here",
+            )
         )
     image = recorded.spec.image_id
     try:
         present = here.image_present(image)
     except GpusnapError as err:
-        reasons.append(f"cannot tell whether image {image} is present: {err}")
+        out.append(
+            Mismatch(
+                "container.image_digest",
+                image,
+                "(unknown)",
+                f"cannot tell whether image {image} is present: {err}",
+            )
+        )
     else:
         if not present:
-            reasons.append(
-                f"image {image} ({recorded.spec.image or 'no reference'}) is not present on "
-                "this node"
+            out.append(
+                Mismatch(
+                    "container.image_digest",
+                    image,
+                    "(absent)",
+                    f"image {image} ({recorded.spec.image or 'no reference'}) is not present "
+                    "on this node",
+                )
             )
-    return reasons
+    return out
+
+
+def container_reasons(recorded: ContainerInfo, here: ContainerRuntime) -> list[str]:
+    """``container_mismatches`` as the lines an operator reads."""
+    return [m.message for m in container_mismatches(recorded, here)]

@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from gpusnap.daemon.containers.archive import TarReceiver, pack
+from gpusnap.daemon.containers.archive import Arrivals, TarReceiver, pack
 from gpusnap.daemon.containers.model import (
     PART_CONFIG,
     PART_CRIU,
@@ -94,7 +94,7 @@ class ContainerdRuntime:
         proc = self.tool.run(["containers", "info", ref], what="info", check=False)
         if proc.returncode != 0:
             raise NotFound(f"containerd: no container {ref!r}")
-        d = json.loads(proc.stdout)
+        d = self.tool.json(proc, "info")
         pid, running = self._task(ref)
         pids, limits = live_facts(pid, running)
         image = str(d.get("Image", ""))
@@ -115,8 +115,16 @@ class ContainerdRuntime:
         self.version()
         return bool(image_id) and image_id in self._images().values()
 
-    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
-        info = self.inspect(ref)
+    def checkpoint(
+        self,
+        ref: str,
+        dest: Path,
+        *,
+        leave_running: bool,
+        info: ContainerInfo | None = None,
+        arrivals: Arrivals | None = None,
+    ) -> CheckpointParts:
+        info = info or self.inspect(ref)
         if not info.running:
             raise FailedPrecondition(f"containerd: container {ref!r} is not running")
         image = f"localhost/{CHECKPOINT_REPO}/{ref}:{time.time_ns()}"
@@ -131,7 +139,7 @@ class ContainerdRuntime:
             if not leave_running:
                 self._stop(ref)
             try:
-                with TarReceiver(fifo, dest):
+                with TarReceiver(fifo, dest, arrivals):
                     self.tool.run(
                         ["images", "export", "--skip-manifest-json", str(fifo), image],
                         what="export",
@@ -170,7 +178,10 @@ class ContainerdRuntime:
             there = None
         if there is not None:
             if there.running or target != rec.name:
-                raise AlreadyExists(f"containerd: container {target!r} exists; use a new name")
+                raise AlreadyExists(
+                    f"containerd: container {target!r} exists; restore under a new name "
+                    "(--name NEW)"
+                )
             self.remove(target)
         image = str(parts.extra.get("checkpoint_image", ""))
         archive = parts.directory.parent / f".{parts.directory.name}.import.tar"

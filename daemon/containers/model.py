@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gpusnap.daemon.containers.criustats import dump_stats, pause_seconds
 from gpusnap.errors import Corrupt, NotFound
 
 RECORD_NAME = "gpusnap-container.json"
@@ -159,6 +160,16 @@ class CheckpointParts:
         for rel, kind in self.parts.items():
             out[kind] += (self.directory / rel).stat().st_size
         return out
+
+    def criu_stats(self) -> dict[str, int]:
+        """CRIU's statistics of the dump (``criustats``); empty where the parts hold none."""
+        return dump_stats(self.directory, sorted(self.parts))
+
+    def pause_seconds(self) -> float:
+        """How long the container was frozen: CRIU's freezing and frozen time where it
+        recorded them (podman, runc), else the runtime's whole call (the pause is inside)."""
+        paused = pause_seconds(self.criu_stats())
+        return self.seconds if paused is None else paused
 
     def record(self) -> dict[str, Any]:
         return {

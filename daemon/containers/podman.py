@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.containers.archive import TarReceiver, pack
+from gpusnap.daemon.containers.archive import Arrivals, TarReceiver, pack
 from gpusnap.daemon.containers.model import (
     PART_CONFIG,
     PART_CRIU,
@@ -44,11 +44,12 @@ from gpusnap.daemon.containers.runtime import (
     checkpoint_attempt,
     live_facts,
 )
-from gpusnap.errors import AlreadyExists, FailedPrecondition, NotFound
+from gpusnap.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (4, 0)
+MAX_RUNROOT = 50  # podman refuses a longer runroot path ("runroot ... is too long")
 PARTS = {
     "checkpoint/": PART_CRIU,
     "rootfs-diff.tar": PART_ROOTFS,
@@ -87,6 +88,11 @@ class PodmanRuntime:
         criu: Path = DEFAULT_CRIU,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
+        if runroot is not None and len(str(runroot)) > MAX_RUNROOT:
+            raise InvalidArgument(
+                f"podman: runroot {runroot} is longer than the {MAX_RUNROOT} characters "
+                "podman accepts"
+            )
         args: list[str] = ["--runtime", oci_runtime]
         for flag, value in (
             ("--root", root),
@@ -100,6 +106,7 @@ class PodmanRuntime:
         if runtime_root is not None:
             args += ["--runtime-flag", f"root={runtime_root}"]
         self.tool = RuntimeTool("podman", binary, args, criu=criu, timeout=timeout)
+        self._digests: dict[str, tuple[str, ...]] = {}
 
     def version(self) -> str:
         return self.tool.version(["--version"], MIN_VERSION)
@@ -111,7 +118,7 @@ class PodmanRuntime:
         proc = self.tool.run(["container", "inspect", ref], what="inspect", check=False)
         if proc.returncode != 0:
             raise NotFound(f"podman: no container {ref!r}")
-        data = json.loads(proc.stdout)
+        data = self.tool.json(proc, "inspect")
         if not data:
             raise NotFound(f"podman: no container {ref!r}")
         return dict(data[0])
@@ -137,14 +144,17 @@ class PodmanRuntime:
     def _image_digests(self, image_id: str) -> tuple[str, ...]:
         if not image_id:
             return ()
+        if image_id in self._digests:  # an image id names the same image for ever
+            return self._digests[image_id]
         proc = self.tool.run(["image", "inspect", image_id], what="image inspect", check=False)
         if proc.returncode != 0:
             return ()
-        img = json.loads(proc.stdout)[0]
+        img = self.tool.json(proc, "image inspect")[0]
         found = [img.get("Digest", "")] + [
             r.split("@", 1)[-1] for r in img.get("RepoDigests") or []
         ]
-        return tuple(sorted({x for x in found if x}))
+        self._digests[image_id] = tuple(sorted({x for x in found if x}))
+        return self._digests[image_id]
 
     def image_present(self, image_id: str) -> bool:
         self.version()
@@ -156,8 +166,16 @@ class PodmanRuntime:
 
     # --- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
-        info = self.inspect(ref)
+    def checkpoint(
+        self,
+        ref: str,
+        dest: Path,
+        *,
+        leave_running: bool,
+        info: ContainerInfo | None = None,
+        arrivals: Arrivals | None = None,
+    ) -> CheckpointParts:
+        info = info or self.inspect(ref)
         if not info.running:
             raise FailedPrecondition(f"podman: container {info.name!r} is not running")
         dest.mkdir(parents=True, exist_ok=False)
@@ -176,7 +194,7 @@ class PodmanRuntime:
         t0 = time.monotonic()
         with (
             checkpoint_attempt("podman", info, dest, lambda: self.inspect(info.id).running),
-            TarReceiver(fifo, dest),
+            TarReceiver(fifo, dest, arrivals),
         ):
             self.tool.run([*args, info.id], what="checkpoint")
         seconds = time.monotonic() - t0
@@ -221,10 +239,13 @@ class PodmanRuntime:
         except NotFound:
             return
         if there.running:
-            raise AlreadyExists(f"podman: container {target!r} is running; restore with a new name")
+            raise AlreadyExists(
+                f"podman: container {target!r} is running; restore under a new name (--name NEW)"
+            )
         if there.id != rec.id:
             raise AlreadyExists(
-                f"podman: another container is named {target!r}; restore with a new name"
+                f"podman: another container is named {target!r}; restore under a new name "
+                "(--name NEW)"
             )
         self.remove(there.id)
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpusnap.daemon.containers.archive import Arrivals
 from gpusnap.daemon.containers.model import (
     PART_CONFIG,
     PART_CRIU,
@@ -95,7 +96,7 @@ class RuncRuntime:
         proc = self.tool.run(["state", ref], what="state", check=False)
         if proc.returncode != 0:
             raise NotFound(f"runc: no container {ref!r}")
-        return dict(json.loads(proc.stdout))
+        return dict(self.tool.json(proc, "state"))
 
     def inspect(self, ref: str) -> ContainerInfo:
         st = self._state(ref)
@@ -123,8 +124,16 @@ class RuncRuntime:
 
     # --- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
-        info = self.inspect(ref)
+    def checkpoint(
+        self,
+        ref: str,
+        dest: Path,
+        *,
+        leave_running: bool,
+        info: ContainerInfo | None = None,
+        arrivals: Arrivals | None = None,
+    ) -> CheckpointParts:
+        info = info or self.inspect(ref)
         if not info.running:
             raise FailedPrecondition(f"runc: container {ref!r} is not running")
         st = self._state(ref)
@@ -206,9 +215,14 @@ class RuncRuntime:
         except NotFound:
             return
         if there.running:
-            raise AlreadyExists(f"runc: container {target!r} is running; restore with a new name")
+            raise AlreadyExists(
+                f"runc: container {target!r} is running; restore under a new name (--name NEW)"
+            )
         if target != rec.name:
-            raise AlreadyExists(f"runc: another container is named {target!r}")
+            raise AlreadyExists(
+                f"runc: another container is named {target!r}; restore under a new name "
+                "(--name NEW)"
+            )
         self.tool.run(["delete", "--force", target], what="delete")
 
     # --- bundles, cold start, cleanup ------------------------------------------------

@@ -9,6 +9,7 @@ Debian's 3.17.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -18,8 +19,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from gpusnap.daemon.containers.archive import Arrivals
 from gpusnap.daemon.containers.model import CheckpointParts, ContainerInfo, ContainerSpec
 from gpusnap.errors import (
     DeadlineExceeded,
@@ -53,12 +55,24 @@ class ContainerRuntime(Protocol):
         ``NotFound`` when this runtime has no such container."""
         ...
 
-    def checkpoint(self, ref: str, dest: Path, *, leave_running: bool) -> CheckpointParts:
+    def checkpoint(
+        self,
+        ref: str,
+        dest: Path,
+        *,
+        leave_running: bool,
+        info: ContainerInfo | None = None,
+        arrivals: Arrivals | None = None,
+    ) -> CheckpointParts:
         """Checkpoint the running container into ``dest`` (created; must not exist) as parts.
 
         Without ``leave_running`` the container is stopped by the checkpoint. The caller has
-        already frozen the GPU state of ``inspect(ref).pids``. ``FailedPrecondition`` when the
-        container is not running or exits meanwhile; nothing is left in ``dest`` on failure.
+        already frozen the GPU state of ``inspect(ref).pids`` (``info``: that inspection, which
+        the record then holds, instead of asking the runtime again). ``arrivals``, where the
+        runtime exports an archive (podman, containerd), hears of each file as it arrives in
+        ``dest``, so an upload can follow it (runc: CRIU writes ``dest`` itself; nothing is
+        said). ``FailedPrecondition`` when the container is not running or exits meanwhile;
+        nothing is left in ``dest`` on failure.
         """
         ...
 
@@ -141,6 +155,16 @@ class RuntimeTool:
         if check and proc.returncode != 0:
             raise Internal(f"{self.label} {what} failed: {last_line(proc.stderr or proc.stdout)}")
         return proc
+
+    def json(self, proc: subprocess.CompletedProcess[str], what: str) -> Any:
+        """The JSON a successful call printed; ``Internal`` naming the tool when it printed
+        something else (a wrapper, a foreign binary of the same name)."""
+        try:
+            return json.loads(proc.stdout)
+        except ValueError as exc:
+            raise Internal(
+                f"{self.label} {what}: printed no JSON ({last_line(proc.stdout) or 'nothing'})"
+            ) from exc
 
     def version(self, args: Sequence[str], minimum: tuple[int, ...]) -> str:
         """The version the tool prints for ``args`` (asked once); ``Unsupported`` below
@@ -270,6 +294,24 @@ def host_pids(init_pid: int) -> tuple[int, ...]:
         except OSError:
             continue  # exited meanwhile, or a kernel thread
     return (out[0], *sorted(out[1:]))
+
+
+def ns_pids(pids: Sequence[int]) -> dict[int, int]:
+    """Each host pid's pid inside its own (innermost) pid namespace: the last ``NSpid`` of
+    ``/proc/PID/status``. A container's pids in its namespace survive a checkpoint and restore
+    (CRIU restores them), its host pids do not; this is how one maps to the other. A process
+    that is gone is left out."""
+    out: dict[int, int] = {}
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("NSpid:"):
+                out[pid] = int(line.split()[-1])
+                break
+    return out
 
 
 # cgroup v2 file, cgroup v1 (controller, file), the key recorded

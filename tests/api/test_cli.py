@@ -91,15 +91,31 @@ def test_restore_latest_of_a_workload(server: Path, service: FakeService) -> Non
     assert proc.returncode == 0, proc.stderr
     assert service.last_call() == (
         "restore",
-        {"checkpoint_id": None, "workload": "llm", "latest": True},
+        {"checkpoint_id": None, "workload": "llm", "latest": True, "name": None},
     )
     # Which of ID, --workload and --latest go together is the service's to say (see
     # test_real_service.py); the CLI passes on what it was given.
     assert run_cli(server, "restore", "--workload", "llm").returncode == 0
     assert service.last_call() == (
         "restore",
-        {"checkpoint_id": None, "workload": "llm", "latest": False},
+        {"checkpoint_id": None, "workload": "llm", "latest": False, "name": None},
     )
+    assert run_cli(server, "restore", "ckpt-1", "--name", "llm-copy").returncode == 0
+    assert service.calls[-1][1]["name"] == "llm-copy"
+
+
+def test_checkpoint_of_a_container_passes_its_name_and_runtime(
+    server: Path, service: FakeService
+) -> None:
+    proc = run_cli(server, "checkpoint", "--container", "llm-0", "--runtime", "runc", "--json")
+    assert proc.returncode == 0, proc.stderr
+    called = service.calls[-1][1]
+    assert (called["container"], called["runtime"], called["pid"]) == ("llm-0", "runc", None)
+    # The runtime is one the daemon knows, and a target is one of three: argparse's to say.
+    bad = run_cli(server, "checkpoint", "--container", "x", "--runtime", "docker")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    both = run_cli(server, "checkpoint", "--container", "x", "--pid", "7")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
 
 
 def test_compat_json(server: Path) -> None:

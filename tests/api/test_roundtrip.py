@@ -30,6 +30,8 @@ def test_checkpoint_round_trips_arguments_and_job(
             "leave_running": True,
             "trigger": "operator",
             "deadline": None,
+            "container": None,
+            "runtime": None,
         },
     )
     assert job["kind"] == "checkpoint"
@@ -42,6 +44,10 @@ def test_checkpoint_round_trips_arguments_and_job(
     client.checkpoint(workload="llm")
     assert service.last_call()[1]["workload"] == "llm"
     assert service.last_call()[1]["pid"] is None
+    client.checkpoint(container="llm-0", runtime="podman")
+    called = service.last_call()[1]
+    assert (called["container"], called["runtime"]) == ("llm-0", "podman")
+    assert called["pid"] is None and called["workload"] is None
 
 
 def test_get_job_carries_progress_times_and_integral_result(
@@ -65,11 +71,13 @@ def test_restore_compat_and_lists(client: DaemonClient, service: FakeService) ->
     job = client.restore(workload="llm", latest=True)
     assert service.last_call() == (
         "restore",
-        {"checkpoint_id": None, "workload": "llm", "latest": True},
+        {"checkpoint_id": None, "workload": "llm", "latest": True, "name": None},
     )
     assert job["kind"] == "restore"
     client.restore(checkpoint_id="ckpt-1")
     assert service.last_call()[1]["checkpoint_id"] == "ckpt-1"
+    client.restore(checkpoint_id="ckpt-1", name="llm-copy")
+    assert service.last_call()[1]["name"] == "llm-copy"
 
     assert client.compat("ckpt-1") == {"checkpoint_id": "ckpt-1", "compatible": True, "reasons": []}
     verdict = client.compat(INCOMPATIBLE_ID)

@@ -8,6 +8,7 @@ its containers uniquely and removes them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -23,8 +24,11 @@ import pytest
 
 from gpusnap.daemon.containers import ContainerSpec, Mount, PodmanRuntime, Ulimit
 from tests.containers.image import IMAGE_REF, WORKLOAD_DIR, image_archive
+from tests.e2e.conftest import Nodes as Daemons
+from tests.support.criu import criu_or_skip
 
 TIMEOUT = 120.0  # a hang guard, never a performance expectation
+STEPS_DEFAULT = 150  # the generation loop's length in most tests (~3 s at 20 ms a step)
 # What podman needs here (docs/containers.md): the defaults ask for more than the host allows.
 ULIMITS = (Ulimit("nofile", 20000, 20000), Ulimit("nproc", 32768, 32768))
 
@@ -55,9 +59,11 @@ class Node:
     dir: Path  # runroot, tmpdir, runc state (short paths)
     podman_root: Path
     podman: PodmanRuntime
+    options: dict[str, Path | str]  # PodmanRuntime's keyword arguments for this root
 
 
-def make_node(base: Path, name: str, archive: Path) -> Node:
+def make_node(base: Path, name: str, archive: Path | None) -> Node:
+    """A podman storage root under ``base`` (``archive``: the image to load into it)."""
     # podman refuses a runroot path longer than 50 characters; pytest's tmp paths can be.
     d = Path(tempfile.mkdtemp(prefix=f"gpusnap-{name}-", dir="/tmp"))
     rt = PodmanRuntime(
@@ -68,11 +74,20 @@ def make_node(base: Path, name: str, archive: Path) -> Node:
         cgroup_manager="cgroupfs",
         events_backend="file",
     )
-    rt.tool.run(["load", "--input", str(archive)], what="load", timeout=300)
-    return Node(name, d, base / name / "root", rt)
+    options: dict[str, Path | str] = {
+        "root": base / name / "root",
+        "runroot": d / "run",
+        "tmpdir": d / "tmp",
+        "runtime_root": d / "runc",
+        "cgroup_manager": "cgroupfs",
+        "events_backend": "file",
+    }
+    if archive is not None:
+        rt.tool.run(["load", "--input", str(archive)], what="load", timeout=300)
+    return Node(name, d, base / name / "root", rt, options)
 
 
-def _teardown(node: Node) -> None:
+def teardown(node: Node) -> None:
     node.podman.tool.run(["rm", "--all", "--force", "--time", "0"], what="rm", check=False)
     node.podman.tool.run(["system", "reset", "--force"], what="reset", check=False)
     shutil.rmtree(node.dir, ignore_errors=True)
@@ -92,8 +107,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory, image: Path) -> Iterator[tup
     try:
         yield a, b
     finally:
-        _teardown(a)
-        _teardown(b)
+        teardown(a)
+        teardown(b)
 
 
 @pytest.fixture
@@ -104,6 +119,19 @@ def node_a(nodes: tuple[Node, Node]) -> Node:
 @pytest.fixture
 def node_b(nodes: tuple[Node, Node]) -> Node:
     return nodes[1]
+
+
+@pytest.fixture
+def daemons() -> Iterator[Daemons]:
+    """Real gpusnapd daemons (tests/containers/daemons.py), stopped at the end."""
+    criu_or_skip()
+    # A short base: the daemons' sockets must stay within a unix socket path's 107 bytes.
+    base = Path(tempfile.mkdtemp(prefix="gpusnap-d-", dir="/tmp"))
+    try:
+        with Daemons(base) as d:
+            yield d
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def image_id(node: Node) -> str:
@@ -142,6 +170,30 @@ def genloop_spec_for(
         ulimits=ULIMITS,
         network="none",
     )
+
+
+def rw_log(node: Node, name: str, dest: Path) -> bytes:
+    """The container's /var/log/genloop.log, from its rw layer (running or not)."""
+    node.podman.tool.run(["cp", f"{name}:/var/log/genloop.log", str(dest)], what="cp")
+    return dest.read_bytes()
+
+
+def exiting_at_checkpoint(spec: ContainerSpec, tmp: Path) -> ContainerSpec:
+    """``spec`` for a container that exits once a checkpoint of it has begun, every time.
+
+    runc hands CRIU the file the ``org.criu.config`` annotation names; the action script it
+    sets runs at pre-dump, after the runtime has started the checkpoint, and kills the
+    container's init there."""
+    script = tmp / "exit-now.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        '[ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] && kill -9 "$CRTOOLS_INIT_PID"\n'
+        "exit 0\n"
+    )
+    script.chmod(0o755)
+    conf = tmp / "criu.conf"
+    conf.write_text(f"action-script {script}\n")
+    return dataclasses.replace(spec, annotations={"org.criu.config": str(conf)})
 
 
 def unique(prefix: str) -> str:

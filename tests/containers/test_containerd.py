@@ -21,6 +21,7 @@ from tests.containers.conftest import (
     wait_done,
     wait_lines,
 )
+from tests.containers.daemons import Daemons, cli_json, start_daemon
 from tests.containers.image import IMAGE_REF
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -112,3 +113,32 @@ def test_containerd_leave_running_checkpoint_restores_under_a_new_name(
     finally:
         containerd.remove(name)
         containerd.remove(f"{name}-copy")
+
+
+def test_containerd_container_checkpointed_by_gpusnapd_restores_in_place_bit_exactly(
+    containerd: ContainerdRuntime, daemons: Daemons, tmp_path: Path
+) -> None:
+    steps = 300  # still running when the test looks at the restored container
+    expected = reference(tmp_path / "ref", steps)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("dctrd")
+    _, address, _, namespace = containerd.tool.base_args
+    a = start_daemon(
+        daemons,
+        "a",
+        '[containers]\ndetect = ["containerd"]\n[containers.containerd]\n'
+        f'address = "{address}"\nnamespace = "{namespace}"\n',
+    )
+    containerd.create(genloop_spec_for(_image_id(containerd), out, steps=steps), name=name)
+    try:
+        wait_lines(out, 30)
+        done = cli_json(a, "checkpoint", "--container", name, "--runtime", "containerd", "--wait")
+        assert done["container"]["runtime"] == "containerd"
+        assert done["container"]["image_digest"] == _image_id(containerd)
+        restored = cli_json(a, "restore", done["checkpoint_id"], "--wait")
+        assert restored["mode"] == "restored", restored
+        assert restored["pids"] == list(containerd.inspect(name).pids)
+        assert wait_done(out) == expected
+    finally:
+        containerd.remove(name)

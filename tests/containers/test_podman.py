@@ -7,7 +7,6 @@ bytes means the KV cache, the weights and the loop's state all came back exactly
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -26,9 +25,11 @@ from gpusnap.daemon.containers import (
 from gpusnap.errors import AlreadyExists, FailedPrecondition, Unsupported
 from tests.containers.conftest import (
     Node,
+    exiting_at_checkpoint,
     genloop_spec,
     lines,
     reference,
+    rw_log,
     unique,
     wait_done,
     wait_lines,
@@ -41,12 +42,6 @@ STEPS = 150
 
 def _figure(name: str, **values: object) -> None:
     print(f"FIGURE {json.dumps({'figure': name, **values})}")
-
-
-def _rw_log(node: Node, name: str, dest: Path) -> bytes:
-    """The container's /var/log/genloop.log, from its rw layer (running or not)."""
-    node.podman.tool.run(["cp", f"{name}:/var/log/genloop.log", str(dest)], what="cp")
-    return dest.read_bytes()
 
 
 def test_restore_in_place_continues_the_generation_bit_exactly(
@@ -68,7 +63,16 @@ def test_restore_in_place_continues_the_generation_bit_exactly(
         assert {PART_CRIU, PART_ROOTFS, PART_CONFIG} <= kinds
         assert any(p.startswith("checkpoint/pages-") for p in parts.parts)
         sizes = parts.sizes()
-        _figure("podman_checkpoint", seconds=round(parts.seconds, 3), **sizes)
+        # CRIU's own account of the pause, from the stats-dump podman exports: inside the call.
+        stats = parts.criu_stats()
+        assert stats["frozen_time"] > 0 and stats["pages_written"] > 0
+        assert 0 < parts.pause_seconds() < parts.seconds
+        _figure(
+            "podman_checkpoint",
+            seconds=round(parts.seconds, 3),
+            pause=round(parts.pause_seconds(), 3),
+            **sizes,
+        )
 
         restored = rt.restore(load_parts(parts.directory))
         assert restored.running and restored.name == name and restored.id == parts.container.id
@@ -94,7 +98,7 @@ def test_restore_into_another_storage_root_continues_bit_exactly(
         assert restored.spec.image_id == parts.container.spec.image_id
         assert wait_done(out) == expected
         # The rw layer came along: the log written before the checkpoint, continued after it.
-        assert _rw_log(node_b, name, tmp_path / "log") == expected.removesuffix(b"done\n")
+        assert rw_log(node_b, name, tmp_path / "log") == expected.removesuffix(b"done\n")
     finally:
         node_a.podman.remove(name)
         node_b.podman.remove(name)
@@ -253,24 +257,10 @@ def test_a_container_that_exits_before_its_checkpoint_is_a_clear_error(
 def test_a_container_that_exits_during_its_checkpoint_is_a_clear_error(
     node_a: Node, tmp_path: Path
 ) -> None:
-    # CRIU runs the container's action script (runc passes the org.criu.config annotation's
-    # file to CRIU) at pre-dump, after the runtime has started the checkpoint: it kills the
-    # container's init there, so the container exits mid-checkpoint, every time.
-    script = tmp_path / "exit-now.sh"
-    script.write_text(
-        "#!/bin/sh\n"
-        '[ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] && kill -9 "$CRTOOLS_INIT_PID"\n'
-        "exit 0\n"
-    )
-    script.chmod(0o755)
-    conf = tmp_path / "criu.conf"
-    conf.write_text(f"action-script {script}\n")
     out = tmp_path / "out"
     out.mkdir()
     name = unique("dies")
-    spec = dataclasses.replace(
-        genloop_spec(node_a, out, steps=STEPS), annotations={"org.criu.config": str(conf)}
-    )
+    spec = exiting_at_checkpoint(genloop_spec(node_a, out, steps=STEPS), tmp_path)
     node_a.podman.create(spec, name=name)
     try:
         wait_lines(out, 10)

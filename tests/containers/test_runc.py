@@ -23,6 +23,7 @@ from tests.containers.conftest import (
     wait_done,
     wait_lines,
 )
+from tests.containers.daemons import Daemons, cli_json, start_daemon
 from tests.containers.image import rootfs_tar
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -77,6 +78,8 @@ def test_runc_restore_in_place_continues_bit_exactly(runc_a: RuncRuntime, tmp_pa
     assert lines(out) < STEPS
     assert any(p.startswith("criu/pages-") for p in parts.parts)
     assert {"config.json", "rootfs-diff.tar"} <= set(parts.parts)
+    assert "frozen_time" in parts.criu_stats()  # criu/stats-dump
+    assert 0 < parts.pause_seconds() < parts.seconds
     print(f"FIGURE runc_checkpoint seconds={parts.seconds:.3f} sizes={parts.sizes()}")
     restored = runc_a.restore(load_parts(parts.directory))
     assert restored.running and restored.name == name
@@ -137,3 +140,40 @@ def test_a_missing_runc_is_a_clear_error_naming_it(tmp_path: Path) -> None:
     rt = RuncRuntime(binary=str(tmp_path / "no-runc"))
     with pytest.raises(Unsupported, match=r"runc: .*no-runc not found"):
         rt.inspect("anything")
+
+
+def _runc_section(rt: RuncRuntime) -> str:
+    root = rt.tool.base_args[1]  # "--root", ROOT
+    return (
+        '[containers]\ndetect = ["runc"]\n[containers.runc]\n'
+        f'root = "{root}"\nbundles = "{rt.bundles}"\nimages = "{rt.images}"\n'
+    )
+
+
+def test_runc_container_checkpointed_by_gpusnapd_restores_on_another_node_bit_exactly(
+    runc_a: RuncRuntime, runc_b: RuncRuntime, daemons: Daemons, tmp_path: Path
+) -> None:
+    steps = 300  # still running when the test looks at the restored container
+    expected = reference(tmp_path / "ref", steps)
+    out = tmp_path / "out"
+    out.mkdir()
+    name = unique("druncc")
+    a = start_daemon(daemons, "a", _runc_section(runc_a))
+    b = start_daemon(daemons, "b", _runc_section(runc_b))
+    runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=steps), name=name)
+    wait_lines(out, 30)
+    done = cli_json(a, "checkpoint", "--container", name, "--wait")  # runc: detected
+    assert done["container"] == {
+        "name": name,
+        "id": name,
+        "runtime": "runc",
+        "image_digest": IMAGE_ID,
+    }
+    assert lines(out) < steps
+    # Under a new name: a bundle of node B's own, over its image directory and the rootfs
+    # diff (with the old name, runc would restore into node A's bundle, on this one machine).
+    restored = cli_json(b, "restore", done["checkpoint_id"], "--name", f"{name}-b", "--wait")
+    assert restored["mode"] == "restored", restored
+    assert restored["pids"] == list(runc_b.inspect(f"{name}-b").pids)
+    assert (runc_b.bundles / f"{name}-b" / "upper").is_dir()
+    assert wait_done(out) == expected

@@ -180,6 +180,7 @@ class Job(_message.Message):
         """What the job produced so far; stable keys, documented in docs/api.md:
           checkpoint: checkpoint_id, pause_seconds, seconds, bytes_total, bytes_uploaded, ...
           restore:    checkpoint_id, mode ("restored" | "cold-start"), pids, reasons, seconds
+          both, for a container: container {name, id, runtime, image_digest}
         """
 
     def __init__(
@@ -216,14 +217,20 @@ class CreateCheckpointRequest(_message.Message):
 
     PID_FIELD_NUMBER: _builtins.int
     WORKLOAD_FIELD_NUMBER: _builtins.int
+    CONTAINER_FIELD_NUMBER: _builtins.int
     LEAVE_RUNNING_FIELD_NUMBER: _builtins.int
     TRIGGER_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    RUNTIME_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     workload: _builtins.str
+    container: _builtins.str
+    """a container's name or id (podman, runc, containerd)"""
     leave_running: _builtins.bool
     trigger: _builtins.str
     """empty: "operator" """
+    runtime: _builtins.str
+    """with container: "podman" | "runc" | "containerd"; empty: detected"""
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """unset: none"""
@@ -233,15 +240,17 @@ class CreateCheckpointRequest(_message.Message):
         *,
         pid: _builtins.int = ...,
         workload: _builtins.str = ...,
+        container: _builtins.str = ...,
         leave_running: _builtins.bool = ...,
         trigger: _builtins.str = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
+        runtime: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "pid", b"pid", "target", b"target", "workload", b"workload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "deadline", b"deadline", "pid", b"pid", "target", b"target", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "leave_running", b"leave_running", "pid", b"pid", "target", b"target", "trigger", b"trigger", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "deadline", b"deadline", "leave_running", b"leave_running", "pid", b"pid", "runtime", b"runtime", "target", b"target", "trigger", b"trigger", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["pid", "workload"]  # noqa: Y015
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["pid", "workload", "container"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
 
@@ -393,21 +402,25 @@ class RestoreRequest(_message.Message):
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     WORKLOAD_FIELD_NUMBER: _builtins.int
     LATEST_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """either this,"""
     workload: _builtins.str
     """or a workload with latest = true"""
     latest: _builtins.bool
+    name: _builtins.str
+    """a container checkpoint restored as this container; empty: its own name"""
     def __init__(
         self,
         *,
         checkpoint_id: _builtins.str = ...,
         workload: _builtins.str = ...,
         latest: _builtins.bool = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "latest", b"latest", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "latest", b"latest", "name", b"name", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -658,7 +671,7 @@ class Workload(_message.Message):
     pid: _builtins.int
     """its root process; unset when not running"""
     finder: _builtins.str
-    """"pid_file PATH", "systemd_unit UNIT", "match RE" or "none" """
+    """"pid_file PATH", "systemd_unit UNIT", "match RE", "container NAME [(RUNTIME)]" or "none" """
     engine: _builtins.str
     """"NAME VERSION", or "probed"; unset when not declared"""
     model: _builtins.str
@@ -832,7 +845,7 @@ class DaemonStatus(_message.Message):
 
     @_builtins.property
     def capabilities(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """one line each: "criu", "gpu", "store" """
+        """one line each: "criu", "gpu", "store", "containers" """
 
     @_builtins.property
     def workloads(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkloadStatus]:

@@ -1,6 +1,7 @@
 """A tiny generation loop with a KV cache, pure Python (the test image has python3-minimal only).
 
-Run inside a container: ``python3 /gen/genloop.py OUT_DIR STEPS INTERVAL WEIGHTS_MIB [LOG]``.
+Run inside a container: ``python3 /gen/genloop.py OUT_DIR STEPS INTERVAL WEIGHTS_MIB [LOG]``
+(``GENLOOP_WEIGHTS=bf16`` in its environment: weights laid out like bf16 ones).
 Each step "attends" over rows of its KV cache and bytes of its weights chosen by its state,
 appends a 4 KiB row to the cache, and writes one line ``step token state`` to OUT_DIR/tokens;
 the stream is a hash chain over everything read, so a run restored with a single changed byte
@@ -45,6 +46,28 @@ class Out:
         self.length += len(data)
 
 
+def make_weights(size):
+    """Seeded random bytes; with GENLOOP_WEIGHTS=bf16, laid out like bf16 weights instead
+    (each value's low byte random, its high byte one of a few exponents), which compress as
+    real weights roughly do (bench/container_bench.py). Built with C-level bytes operations:
+    the image has no numpy."""
+    rng = random.Random(1234)
+    if os.environ.get("GENLOOP_WEIGHTS") != "bf16":
+        return randbytes(rng, size)
+    exponents = bytes(0x3C + (i % 6) for i in range(256))  # 256 values onto 6 exponents
+    out = bytearray(size)
+    out[0::2] = randbytes(rng, (size + 1) // 2)
+    out[1::2] = randbytes(rng, size // 2).translate(exponents)
+    return bytes(out)
+
+
+def randbytes(rng, size):
+    """``rng.randbytes(size)``, 64 MiB at a time (one call takes at most 256 MiB)."""
+    if size <= 64 << 20:
+        return rng.randbytes(size)
+    return b"".join(rng.randbytes(min(64 << 20, size - i)) for i in range(0, size, 64 << 20))
+
+
 def main():
     out_dir, steps, interval, weights_mib = (
         sys.argv[1],
@@ -52,7 +75,7 @@ def main():
         float(sys.argv[3]),
         int(sys.argv[4]),
     )
-    weights = random.Random(1234).randbytes(weights_mib << 20)  # read-only after this
+    weights = make_weights(weights_mib << 20)  # read-only after this
     kv = bytearray()
     h = hashlib.sha256(b"prompt").digest()
     out = Out(os.path.join(out_dir, "tokens"), reopen=True)

@@ -9,6 +9,7 @@
  * a flock on /proc/TGID, which the caller holds, never the target. */
 #include "fake.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -37,6 +38,7 @@ static pthread_mutex_t ops_mu = PTHREAD_MUTEX_INITIALIZER;
 
 struct target {
     pid_t tgid;
+    pid_t nspid; /* tgid in the target's own pid namespace: what it knows itself as */
     uintptr_t mb;
 };
 
@@ -99,6 +101,51 @@ static pid_t tgid_of(int pid) {
     return tgid;
 }
 
+/* The id of task PATH (/proc/N or /proc/N/task/M) in its innermost pid namespace: the last
+ * number of "NSpid:". A process in a container knows itself (getpid, gettid) by these, the
+ * caller on the host by the others; the real driver takes host ids for both (cuda-checkpoint
+ * is run from the host on containers' processes). -1 when it cannot be read. */
+static pid_t innermost_id(const char *status_path) {
+    char line[256];
+    FILE *f = fopen(status_path, "re");
+    if (!f)
+        return -1;
+    pid_t id = -1;
+    while (fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "NSpid:", 6))
+            continue;
+        char *last = strrchr(line, '\t');
+        id = (pid_t)strtol(last ? last : line + 6, NULL, 10);
+        break;
+    }
+    fclose(f);
+    return id;
+}
+
+/* The caller's (host) id of the target's thread that knows itself as ``ns_tid``. */
+static pid_t host_tid(pid_t tgid, pid_t ns_tid) {
+    char path[96];
+    snprintf(path, sizeof(path), "/proc/%d/task/%d/status", (int)tgid, (int)ns_tid);
+    if (innermost_id(path) == ns_tid)
+        return ns_tid; /* the same pid namespace: the ids are the same */
+    snprintf(path, sizeof(path), "/proc/%d/task", (int)tgid);
+    DIR *d = opendir(path);
+    if (!d)
+        return -1;
+    pid_t found = -1;
+    struct dirent *e;
+    while (found < 0 && (e = readdir(d)) != NULL) {
+        if (e->d_name[0] < '0' || e->d_name[0] > '9')
+            continue;
+        pid_t tid = (pid_t)strtol(e->d_name, NULL, 10);
+        snprintf(path, sizeof(path), "/proc/%d/task/%d/status", (int)tgid, (int)tid);
+        if (innermost_id(path) == ns_tid)
+            found = tid;
+    }
+    closedir(d);
+    return found;
+}
+
 static CUresult errno_result(int e) {
     if (e == ESRCH)
         return CUDA_ERROR_INVALID_VALUE; /* gone */
@@ -112,7 +159,7 @@ static CUresult read_header(const struct target *t, struct mailbox *hdr) {
     if (e)
         return errno_result(e);
     if (__atomic_load_n(&hdr->magic, __ATOMIC_ACQUIRE) != MB_MAGIC || hdr->layout != MB_LAYOUT ||
-        hdr->pid != t->tgid)
+        hdr->pid != t->nspid)
         return CUDA_ERROR_NOT_INITIALIZED; /* no cuInit there, or a fork child of a CUDA process */
     return CUDA_SUCCESS;
 }
@@ -124,6 +171,11 @@ static CUresult locate(int pid, struct target *t, struct mailbox *hdr) {
     t->tgid = tgid_of(pid);
     if (t->tgid <= 0)
         return CUDA_ERROR_INVALID_VALUE;
+    char status[64];
+    snprintf(status, sizeof(status), "/proc/%d/status", (int)t->tgid);
+    t->nspid = innermost_id(status);
+    if (t->nspid <= 0)
+        t->nspid = t->tgid; /* no NSpid line (kernels before 4.1): one namespace */
     struct mapping there = self;
     if (!self.base || find_mapping(t->tgid, 0, &there) < 0)
         return CUDA_ERROR_NOT_INITIALIZED; /* this driver is not loaded there */
@@ -167,7 +219,10 @@ static CUresult call(int pid, struct request *req, struct response *resp) {
         e = remote_rw(t.tgid, t.mb + offsetof(struct mailbox, req), req, sizeof(*req), 1);
         if (!e)
             e = remote_rw(t.tgid, t.mb + offsetof(struct mailbox, req_seq), &seq, sizeof(seq), 1);
-        if (!e && syscall(SYS_tgkill, t.tgid, hdr.tid, wake_signal()) < 0)
+        pid_t tid = e ? -1 : host_tid(t.tgid, hdr.tid);
+        if (!e && tid < 0)
+            e = ESRCH;
+        if (!e && syscall(SYS_tgkill, t.tgid, tid, wake_signal()) < 0)
             e = errno;
         r = e ? errno_result(e) : CUDA_SUCCESS;
     }
@@ -218,8 +273,8 @@ static CUresult CheckpointProcessGetRestoreThreadId_impl(int pid, int *tid) {
     CUresult r = locate(pid, &t, &hdr);
     if (r == CUDA_SUCCESS && !hdr.has_context)
         r = CUDA_ERROR_NOT_INITIALIZED;
-    if (r == CUDA_SUCCESS)
-        *tid = hdr.tid;
+    if (r == CUDA_SUCCESS && (*tid = host_tid(t.tgid, hdr.tid)) < 0)
+        r = CUDA_ERROR_INVALID_VALUE;
     return r;
 }
 
