@@ -55,6 +55,7 @@ def test_sizes_and_rates_are_in_one_unit_system() -> None:
     last = _frames(out)[-1]
     assert "500 MiB/1000 MiB" in last.replace("  ", " ").replace(" /", "/")
     assert "250 MiB/s" in last
+    assert re.search(r"ETA +0:02\b", last), last  # 500 MiB left at 250 MiB/s
     assert not re.search(r"\b(MB|KB|GB)(/s)?\b", out.getvalue())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import pty
 import select
 import stat
@@ -291,7 +292,10 @@ def test_push_and_pull_show_a_progress_bar_on_a_terminal_only(cli: Cli, tmp_path
     assert rc == 0, terminal
     assert "store push" in terminal and "[" in terminal
     assert "100.0%" in terminal
-    assert "MiB/s" in terminal and "ETA" in terminal
+    # A rate on the line; the frames drawn mid-push (if the push outlasts the redraw interval:
+    # on a fast disk it may not) carry an ETA, the final one the time taken
+    # (tests/cli/test_progress.py shows both on a clock of its own).
+    assert "MiB/s" in terminal and re.search(r"100\.0%.* in +[0-9:.]+", terminal), terminal
     assert "MB/s" not in terminal  # one unit system: binary sizes and rates
 
     piped = cli.ok("store", "push", str(image), "--workload", "w")

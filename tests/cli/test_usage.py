@@ -31,7 +31,7 @@ def cli(tmp_path: Path) -> Cli:
         ),
         (
             ["checkpoint"],
-            "checkpoint: one of the arguments --pid --workload is required "
+            "checkpoint: one of the arguments --pid --workload --container is required "
             "(see `gpusnap checkpoint --help`)",
         ),
         (

@@ -233,6 +233,15 @@ def wait_lines(out: Path, n: int) -> None:
         time.sleep(0.05)
 
 
+def wait_exited(node: Node, name: str) -> None:
+    """Wait until the container ``name`` on ``node`` is no longer running."""
+    deadline = time.monotonic() + TIMEOUT
+    while node.podman.inspect(name).running:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"container {name} still running after {TIMEOUT} s")
+        time.sleep(0.05)
+
+
 def wait_done(out: Path) -> bytes:
     deadline = time.monotonic() + TIMEOUT
     while True:

@@ -29,6 +29,7 @@ from tests.containers.conftest import (
     teardown,
     unique,
     wait_done,
+    wait_exited,
     wait_lines,
 )
 from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
@@ -154,9 +155,14 @@ def test_leave_running_keeps_serving_and_a_second_checkpoint_uploads_only_what_c
         busy = a.cli("restore", first["checkpoint_id"], "--wait")
         assert busy.rc == 1 and "running" in busy.stderr and "--name" in busy.stderr
         assert node_a.podman.inspect(name).running
-        # Elsewhere, under a new name, the first checkpoint rewrites the stream from there on.
+        # The original, checkpointed twice while it ran, finishes its stream unperturbed.
+        assert wait_done(out) == expected
+        wait_exited(node_a, name)
+        # Elsewhere, under a new name, the first checkpoint rewrites the stream from there on
+        # (run after the original: two writers of one file would interleave their truncations).
         copy = cli_json(b, "restore", first["checkpoint_id"], "--name", f"{name}-copy", "--wait")
         assert copy["mode"] == "restored" and copy["container"]["name"] == f"{name}-copy"
+        wait_exited(node_b, f"{name}-copy")
         assert wait_done(out) == expected
     finally:
         node_a.podman.remove(name)

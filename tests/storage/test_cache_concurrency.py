@@ -25,19 +25,36 @@ from tests.storage.test_cache import cid, disk_bytes
 SCOPE = scope_of("file:///shared")
 
 _FILLER = """
-import os, sys
+import os, sqlite3, sys
 from pathlib import Path
 from blake3 import blake3
 from gpusnap.storage.cache import ChunkCache, scope_of
+from gpusnap.storage.cache.db import DB_NAME
 directory, budget, tag, count = sys.argv[1:5]
+
+def locked_disk_bytes():  # as the module's locked_disk_bytes, here after each of its puts
+    db = sqlite3.connect(Path(directory) / DB_NAME, timeout=60, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            return sum(p.stat().st_size for sub in ("objects", "tmp")
+                       for p in (Path(directory) / sub).rglob("*") if p.is_file())
+        finally:
+            db.execute("ROLLBACK")
+    finally:
+        db.close()
+
+seen = []
 with ChunkCache(Path(directory), max_bytes=int(budget)) as cache:
     for i in range(int(count)):
         chunk_id = blake3(f"{tag}-{i}".encode()).hexdigest()
         cache.put(scope_of("file:///shared"), chunk_id, os.urandom(20_000 + (i * 7919) % 30_000))
         if i % 3 == 0:
             cache.get(scope_of("file:///shared"), chunk_id)
+        if i % 10 == 0:
+            seen.append(locked_disk_bytes())
+print(len(seen), max(seen))
 """
-
 # A writer that stops for good at one point of a put: after the first piece of its temp
 # file ("write"), or after renaming it into place ("rename"); it says "ready" there.
 _STOPPER = """
@@ -74,7 +91,11 @@ def test_two_processes_filling_one_cache_never_exceed_its_budget(tmp_path: Path)
     directory = tmp_path / "cache"
     budget = 400_000  # made by whichever filler opens it first
     fillers = [
-        subprocess.Popen([sys.executable, "-c", _FILLER, str(directory), str(budget), tag, "300"])
+        subprocess.Popen(
+            [sys.executable, "-c", _FILLER, str(directory), str(budget), tag, "300"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for tag in ("one", "two")
     ]
     seen: list[int] = []
@@ -84,10 +105,14 @@ def test_two_processes_filling_one_cache_never_exceed_its_budget(tmp_path: Path)
                 seen.append(locked_disk_bytes(directory))
             time.sleep(0.005)  # let the writers have the lock too
     finally:
-        codes = [proc.wait(timeout=300) for proc in fillers]
-    assert codes == [0, 0]
-    assert len(seen) > 5
-    assert max(seen) <= budget
+        reports = [proc.communicate(timeout=300)[0] for proc in fillers]
+    assert [proc.returncode for proc in fillers] == [0, 0]
+    # Each filler counted the directory after every tenth of its puts (30 counts each, whatever
+    # the speed of the machine); this process counted as often as it could alongside.
+    for report in reports:
+        counts, most = map(int, report.split())
+        assert counts == 30 and 0 < most <= budget
+    assert max(seen, default=0) <= budget
     with ChunkCache(directory) as cache:
         stats = cache.stats()
     assert stats.bytes == disk_bytes(directory) <= budget
