@@ -189,6 +189,12 @@ class CheckpointStore:
         """
         return catalog.list_manifests(self.context, workload)
 
+    def checkpoint_ids(self, workload: str) -> builtins.list[str]:
+        """``workload``'s checkpoint ids, newest first (by the second in the id; two of one
+        second in no particular order). Cheap: one LIST, no manifest read or authenticated;
+        a caller that polls for a new checkpoint reads (``manifest``) only the one it uses."""
+        return catalog.checkpoint_ids(self.context, workload)
+
     def latest(self, workload: str) -> ManifestSummary | None:
         found = self.list(workload)
         return found[0] if found else None
