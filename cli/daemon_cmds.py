@@ -127,6 +127,13 @@ def _job_text(job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _warm(warm: Any) -> str:
+    """How much of the checkpoint this node's chunk cache holds: ``93% of 1.2 GiB``."""
+    if not isinstance(warm, dict) or not isinstance(warm.get("bytes_total"), int):
+        return "-"
+    return f"{100 * float(warm.get('fraction') or 0):.0f}% of {human_bytes(warm['bytes_total'])}"
+
+
 def _age(seconds: Any) -> str:
     """``3725.2`` -> ``1h02m``; None -> ``-``."""
     if not isinstance(seconds, int | float):
@@ -368,10 +375,11 @@ def _status_text(status: dict[str, Any]) -> str:
             str(w.get("name", "?")),
             str(w.get("last_checkpoint_id") or "-"),
             _age(w.get("last_checkpoint_age_seconds")),
+            _warm(w.get("warm")),
         ]
         for w in status.get("workloads") or []
         if isinstance(w, dict)
     ]
     if rows:
-        lines.append(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
+        lines.append(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE", "WARM HERE"], rows))
     return "\n".join(lines)

@@ -78,7 +78,8 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     staging = node.dirs.job_staging(ctx.job_id)
     images = staging / "images"
     dump_log = node.dirs.logs / f"{ctx.job_id}-dump.log"
-    gpu_memory = MemoryUploads(store)
+    seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
+    gpu_memory = MemoryUploads(store, seed_cache=seed)
     pages: PageStreamer | None = None
     try:
         ctx.phase(Phase.FREEZE_GPU)
@@ -92,7 +93,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         # A first checkpoint uploads everything: overlap that with the dump (a later one
         # follows its parent's chunks, which makes its upload cheap after the dump).
         if parent is None and node.config.daemon.upload_during_dump:
-            pages = PageStreamer(store, images, compress=plan.compress)
+            pages = PageStreamer(store, images, compress=plan.compress, seed_cache=seed)
             pages.start()
         try:
             dump = node.criu.dump(
@@ -155,6 +156,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                 compress=plan.compress,
                 extra={"job": ctx.job_id, "pause_seconds": round(pause, 6)},
                 uploaded_streams=uploaded,
+                seed_cache=seed,
             )
         except GpusnapError as err:
             if not plan.leave_running:

@@ -19,6 +19,7 @@ from gpusnap.daemon.host import coldstart, proctree
 from gpusnap.daemon.host.criu import can_punch_holes, remove_logs, systemd_running
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
+from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import FailedPrecondition, NotFound
@@ -79,6 +80,7 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             direct=False,
             durable=False,
         )
+        METRICS.observe_fetch("restore", fetched=pulled.bytes_fetched, cached=pulled.bytes_cached)
         ctx.phase(Phase.RESTORE_PROCESS)
         # From here the tree runs (or is being made to): a cancel could only orphan it.
         ctx.cancellable = False
@@ -111,7 +113,8 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             reasons=[],
             prepare_seconds=round(prepare, 6),
             fetch_seconds=round(pulled.seconds, 6),
-            bytes_fetched=pulled.bytes_fetched,
+            bytes_fetched=pulled.bytes_fetched,  # from the store
+            bytes_cached=pulled.bytes_cached,  # from the node's chunk cache instead
             bytes_total=pulled.bytes_total,
             restore_seconds=round(restored.wall_seconds, 6),
             # CRIU's own account (--display-stats): its time restoring, pages it wrote.

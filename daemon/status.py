@@ -7,6 +7,7 @@ reported in the answer (``store_error``, ``reachable: false``), never raised.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from gpusnap.daemon.host.target import workload_root
 from gpusnap.daemon.jobs.job import Job
 from gpusnap.daemon.node import Node
 from gpusnap.errors import GpusnapError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,25 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
             "store": "reachable" if store_ok else f"unreachable: {store_error}",
         },
         "jobs_running": daemon.jobs_running,
-        "workloads": [{"name": name, **info} for name, info in last.items()],
+        "workloads": [
+            {"name": name, **info, "warm": _warmth(node, info) if store_ok else None}
+            for name, info in last.items()
+        ],
         "interrupted_at_start": daemon.interrupted_at_start,
         "triggers": daemon.triggers,
     }
+
+
+def _warmth(node: Node, last: dict[str, Any]) -> dict[str, Any] | None:
+    """How much of the workload's latest checkpoint is in this node's chunk cache."""
+    checkpoint_id = last.get("last_checkpoint_id")
+    if not isinstance(checkpoint_id, str):
+        return None
+    try:
+        return node.store.warmth(checkpoint_id)
+    except GpusnapError as err:
+        log.warning("cannot tell how much of %s is cached here: %s", checkpoint_id, err)
+        return None
 
 
 def _criu_line(node: Node) -> str:
