@@ -215,7 +215,13 @@ def _succeeded_line(job: dict[str, Any], s: dict[str, Any]) -> str:
         lines = [f"cold-started {job['workload'] or '-'}{took} (pids {pids}); reasons:"]
         lines.extend(f"  - {_reason_text(r)}" for r in s.get("reasons") or [])
         return "\n".join(lines)
-    return f"restored {s.get('checkpoint_id')}{took} (pids {pids})"
+    fetched, cached = s.get("bytes_fetched"), s.get("bytes_cached")
+    source = ""
+    if isinstance(fetched, int) and isinstance(cached, int):
+        source = (
+            f"; {human_bytes(fetched)} from the store, {human_bytes(cached)} from this node's cache"
+        )
+    return f"restored {s.get('checkpoint_id')}{took} (pids {pids}){source}"
 
 
 def _reason_text(reason: Any) -> str:
