@@ -261,13 +261,20 @@ class Cluster:
             client.close()
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, moto: MotoServer, workload: ReclaimWorkload) -> Iterator[Cluster]:
-    # Depends on ``workload`` so that the nodes stop before the workload fixture cleans up:
-    # a restore still in flight then finishes first, and its tree is ours to kill and reap.
+@contextlib.contextmanager
+def cluster_of(tmp_path: Path, moto: MotoServer) -> Iterator[Cluster]:
+    """Nodes over a fresh bucket, all stopped at the end (CRIU and root, or a skip)."""
     criu_or_skip()
     nodes = Nodes(tmp_path)
     try:
         yield Cluster(nodes, moto)
     finally:
         nodes.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, moto: MotoServer, workload: ReclaimWorkload) -> Iterator[Cluster]:
+    # Depends on ``workload`` so that the nodes stop before the workload fixture cleans up:
+    # a restore still in flight then finishes first, and its tree is ours to kill and reap.
+    with cluster_of(tmp_path, moto) as cluster:
+        yield cluster

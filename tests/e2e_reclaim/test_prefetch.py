@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import HANG_GUARD, Nodes, criu_or_skip
+from tests.e2e.conftest import HANG_GUARD
 from tests.e2e_reclaim import ask
-from tests.e2e_reclaim.conftest import Cluster, triggers_section, wait_for
+from tests.e2e_reclaim.conftest import Cluster, cluster_of, triggers_section, wait_for
 from tests.support.moto_server import MotoServer
 
 pytestmark = [pytest.mark.criu, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -86,12 +86,9 @@ def holder(tmp_path: Path) -> Iterator[Holder]:
 
 @pytest.fixture
 def cluster(tmp_path: Path, moto: MotoServer, holder: Holder) -> Iterator[Cluster]:
-    criu_or_skip()
-    nodes = Nodes(tmp_path)
-    try:
-        yield Cluster(nodes, moto)
-    finally:
-        nodes.close()
+    # Depends on ``holder``: the nodes stop first, then whatever runs of it is killed.
+    with cluster_of(tmp_path, moto) as cluster:
+        yield cluster
 
 
 def _workload(pid_file: Path | None = None) -> str:
