@@ -1,0 +1,98 @@
+"""``gpusnap plan --workload NAME`` against a real gpusnapd: the figures are the workload's real
+last checkpoints (GPU memory streamed through the fake driver's custom storage, CRIU page
+images of a real process), read back through the daemon, not estimates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import Node
+from tests.e2e_gpu.conftest import GpuNodes
+from tests.fakes.fake_cuda import default_devices
+from tests.support import workloads
+from tests.support.workloads import Started
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
+
+CONFIGS = Path(__file__).resolve().parents[1] / "plan" / "configs"
+GPU_BYTES = 6 * 1024 * 1024 + 123
+
+
+def _json(node: Node, *args: str) -> Any:
+    res = node.cli(*args, "--json")
+    assert res.rc == 0, f"gpusnap {' '.join(args)}: {res.stderr}\n{node.log()}"
+    return res.json
+
+
+def test_plan_workload_reads_the_real_last_checkpoints_through_the_daemon(
+    gpu_nodes: GpuNodes, tmp_path: Path, started: Started
+) -> None:
+    w = started(workloads.start_counter(tmp_path / "run"), steps=5)
+    pid_file = tmp_path / "run" / "svc.pid"
+    pid_file.write_text(f"{w.pid}\n")
+    node, fake = gpu_nodes.make_gpu(
+        "a", extra_config=f'[[workload]]\nname = "svc"\npid_file = "{pid_file}"\n'
+    )
+    fake.update(custom_storage=True)
+    node.start()
+    fake.add_process(w.pid, {default_devices()[0]["uuid"]: GPU_BYTES}, seed=5)
+
+    # No checkpoint yet: exit 3, one line.
+    none_yet = node.cli("plan", "--workload", "svc")
+    assert none_yet.rc == 3 and "svc has no checkpoint" in none_yet.stderr, none_yet.stderr
+
+    first = _json(node, "checkpoint", "--workload", "svc", "--leave-running", "--wait")
+    second = _json(node, "checkpoint", "--workload", "svc", "--leave-running", "--wait")
+    shown = [_json(node, "show", c["checkpoint_id"]) for c in (first, second)]
+    assert shown[1]["parent"] == first["checkpoint_id"]
+
+    doc = _json(node, "plan", "--workload", "svc")
+    m = doc["measured"]
+    assert (m["workload"], m["checkpoints"]) == ("svc", 2)
+    assert m["latest"]["checkpoint_id"] == second["checkpoint_id"]
+    (stream,) = m["gpu_memory_streams"]
+    assert stream["bytes"] == GPU_BYTES == m["gpu_memory_bytes"]
+    pages = sum(f["size"] for f in shown[1]["files"] if Path(f["path"]).name.startswith("pages-"))
+    assert m["page_image_bytes"] == pages > 0
+    assert (
+        m["gpu_memory_bytes"] + m["page_image_bytes"] + m["other_host_bytes"]
+        == (shown[1]["bytes_total"])
+    )
+    inc, full = m["last_incremental"], m["last_full"]
+    assert inc["checkpoint_id"] == second["checkpoint_id"]
+    assert inc["bytes_uploaded"] == shown[1]["totals"]["bytes_stored"] == second["bytes_uploaded"]
+    assert full["checkpoint_id"] == first["checkpoint_id"]
+    assert full["bytes_uploaded"] == shown[0]["totals"]["bytes_stored"]
+    assert doc["checkpoint_bytes_full"] == {"per_node": shown[1]["bytes_total"]}
+    assert doc["checkpoint_bytes_reclaim"] == {"per_node": inc["bytes_uploaded"]}
+    # No bandwidth given: the fit uses the last incremental push's own time.
+    aws = doc["reclaim_fit"]["aws"]
+    assert aws["upload_seconds"] == pytest.approx(inc["upload_seconds"], abs=1e-3)
+    assert aws["fits"] is (inc["upload_seconds"] <= 120)
+
+    # With a model too: the model's shapes, and the measured checkpoints instead of estimates.
+    both = _json(
+        node,
+        "plan",
+        "--workload",
+        "svc",
+        "--model",
+        str(CONFIGS / "llama-3.1-8b.json"),
+        "--bandwidth",
+        "1GB/s",
+        "--tp",
+        "2",
+    )
+    assert both["kv_bytes_per_token"]["per_gpu"] > 0
+    assert both["checkpoint_bytes_full"]["per_node"] == shown[1]["bytes_total"]
+    assert both["checkpoint_bytes_reclaim"]["per_node"] == inc["bytes_uploaded"]
+    assert both["checkpoint_bytes_source"]["full"] == f"measured: {second['checkpoint_id']}"
+    assert both["estimated"]["checkpoint_bytes_reclaim"]["per_node"] != inc["bytes_uploaded"]
+    assert both["reclaim_fit"]["gcp"]["upload_seconds"] == pytest.approx(
+        inc["bytes_uploaded"] / 1e9, abs=1e-3
+    )
+    text = node.cli("plan", "--workload", "svc").stdout
+    assert "workload svc: 2 checkpoint(s)" in text and second["checkpoint_id"] in text
