@@ -128,14 +128,18 @@ def pull(
 
 
 def open_stream(
-    ctx: StoreContext, checkpoint: str | Manifest, path: str
+    ctx: StoreContext,
+    checkpoint: str | Manifest,
+    path: str,
+    *,
+    stats: PullStats | None = None,
 ) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(offset, bytes)`` of one entry of a checkpoint (``CheckpointStore.open_stream``)."""
     manifest = fetch_manifest(ctx, checkpoint) if isinstance(checkpoint, str) else checkpoint
     entry = next((f for f in manifest.files if f.path == path), None)
     if entry is None:
         raise NotFound(f"checkpoint {manifest.checkpoint_id} has no entry {path!r}")
-    return read_entry(ctx, entry)
+    return read_entry(ctx, entry, stats=stats)
 
 
 def _missing(chunk_id: str, exc: NotFound) -> Corrupt:
@@ -172,18 +176,27 @@ def fetch_chunk(
     return value, len(obj), False
 
 
-def read_entry(ctx: StoreContext, entry: FileEntry) -> Iterator[tuple[int, bytes | memoryview]]:
+def read_entry(
+    ctx: StoreContext, entry: FileEntry, *, stats: PullStats | None = None
+) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(offset, bytes)`` of one entry's chunks, in order, each verified before it is given.
 
     Chunks are fetched ahead in parallel on the I/O pool, at most the store's byte budget of
     them (and always at least one) at a time, so memory stays bounded whatever the entry's
-    size. Nothing is written anywhere.
+    size. Nothing is written anywhere. ``stats`` counts what came from the store and what
+    from the node's chunk cache (``PullStats.count``), and the entry's bytes in its total.
     """
+    if stats is not None:
+        with stats.lock:
+            stats.bytes_total += entry.size
+            stats.chunks_total += len(entry.chunks)
 
     def fetch(chunk_id: str, size: int) -> bytes | memoryview:
-        content, _size, _cached = fetch_chunk(
+        content, obj_len, cached = fetch_chunk(
             ctx, chunk_id, lambda obj: ctx.codec.decode(chunk_id, obj, size)
         )
+        if stats is not None:
+            stats.count(obj_len, cached)
         return content
 
     window: list[tuple[int, int, Future[bytes | memoryview]]] = []
