@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from gpusnap.daemon.gpu.custom_storage import CustomStorage, DeviceMemory, MemorySource, Piece
 from gpusnap.errors import FailedPrecondition
 from gpusnap.storage import CheckpointStore, Manifest
+from gpusnap.storage.pull import PullStats
 from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, UploadedStreams
 
 
@@ -64,6 +65,9 @@ class MemoryUploads:
         return self._store.open_stream(pending, path)
 
 
-def committed_source(store: CheckpointStore, manifest: Manifest) -> MemorySource:
-    """The device memory a committed (authenticated) checkpoint holds."""
-    return functools.partial(store.open_stream, manifest)
+def committed_source(
+    store: CheckpointStore, manifest: Manifest, stats: PullStats | None = None
+) -> MemorySource:
+    """The device memory a committed (authenticated) checkpoint holds; ``stats`` counts what
+    came from the store and from the node's chunk cache."""
+    return functools.partial(store.open_stream, manifest, stats=stats)

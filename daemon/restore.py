@@ -24,6 +24,7 @@ from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import FailedPrecondition, NotFound
 from gpusnap.storage import CheckpointStore, Manifest
+from gpusnap.storage.pull import PullStats
 from gpusnap.storage.streams import GPU_MEMORY_KIND
 
 log = logging.getLogger(__name__)
@@ -102,10 +103,14 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
                 node.adopt(pid)
         ctx.phase(Phase.RESTORE_GPU)
         gpu_stamp = manifest.stamp.get("gpu")
+        streamed = PullStats()  # device memory read back through custom storage, if any
         node.gpu.restore(
             pids or [restored.pid],
             gpu_stamp if isinstance(gpu_stamp, dict) else {},
-            source=committed_source(store, manifest),
+            source=committed_source(store, manifest, streamed),
+        )
+        METRICS.observe_fetch(
+            "restore", fetched=streamed.bytes_fetched, cached=streamed.bytes_cached
         )
         ctx.result(
             mode="restored",
@@ -113,9 +118,11 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             reasons=[],
             prepare_seconds=round(prepare, 6),
             fetch_seconds=round(pulled.seconds, 6),
-            bytes_fetched=pulled.bytes_fetched,  # from the store
-            bytes_cached=pulled.bytes_cached,  # from the node's chunk cache instead
-            bytes_total=pulled.bytes_total,
+            # The image and the device memory streams together: from the store, from the
+            # node's chunk cache instead, and their logical size.
+            bytes_fetched=pulled.bytes_fetched + streamed.bytes_fetched,
+            bytes_cached=pulled.bytes_cached + streamed.bytes_cached,
+            bytes_total=pulled.bytes_total + streamed.bytes_total,
             restore_seconds=round(restored.wall_seconds, 6),
             # CRIU's own account (--display-stats): its time restoring, pages it wrote.
             criu_restore_time_seconds=round(restored.stats.get("Restore time", 0) / 1e6, 6),
