@@ -8,6 +8,7 @@ as CUDA processes; CRIU is real.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +37,11 @@ class GpuNodes(Nodes):
             {
                 "GPUSNAP_GPU_DRIVER": FAKE_DRIVER,
                 STATE_ENV: str(fake.path),
-                "PYTHONPATH": str(REPO),
+                # The repo (for the fake driver's module) before the path this run imports
+                # gpusnap from: a worktree's daemon must run the worktree's code.
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+                ),
             }
         )
         return node, fake

@@ -5,12 +5,11 @@ images of a real process), read back through the daemon, not estimates."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Node
 from tests.e2e_gpu.conftest import GpuNodes
+from tests.e2e_reclaim.ask import cli_json
 from tests.fakes.fake_cuda import default_devices
 from tests.support import workloads
 from tests.support.workloads import Started
@@ -19,12 +18,6 @@ pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
 CONFIGS = Path(__file__).resolve().parents[1] / "plan" / "configs"
 GPU_BYTES = 6 * 1024 * 1024 + 123
-
-
-def _json(node: Node, *args: str) -> Any:
-    res = node.cli(*args, "--json")
-    assert res.rc == 0, f"gpusnap {' '.join(args)}: {res.stderr}\n{node.log()}"
-    return res.json
 
 
 def test_plan_workload_reads_the_real_last_checkpoints_through_the_daemon(
@@ -44,12 +37,12 @@ def test_plan_workload_reads_the_real_last_checkpoints_through_the_daemon(
     none_yet = node.cli("plan", "--workload", "svc")
     assert none_yet.rc == 3 and "svc has no checkpoint" in none_yet.stderr, none_yet.stderr
 
-    first = _json(node, "checkpoint", "--workload", "svc", "--leave-running", "--wait")
-    second = _json(node, "checkpoint", "--workload", "svc", "--leave-running", "--wait")
-    shown = [_json(node, "show", c["checkpoint_id"]) for c in (first, second)]
+    first = cli_json(node, "checkpoint", "--workload", "svc", "--leave-running", "--wait")
+    second = cli_json(node, "checkpoint", "--workload", "svc", "--leave-running", "--wait")
+    shown = [cli_json(node, "show", c["checkpoint_id"]) for c in (first, second)]
     assert shown[1]["parent"] == first["checkpoint_id"]
 
-    doc = _json(node, "plan", "--workload", "svc")
+    doc = cli_json(node, "plan", "--workload", "svc")
     m = doc["measured"]
     assert (m["workload"], m["checkpoints"]) == ("svc", 2)
     assert m["latest"]["checkpoint_id"] == second["checkpoint_id"]
@@ -74,7 +67,7 @@ def test_plan_workload_reads_the_real_last_checkpoints_through_the_daemon(
     assert aws["fits"] is (inc["upload_seconds"] <= 120)
 
     # With a model too: the model's shapes, and the measured checkpoints instead of estimates.
-    both = _json(
+    both = cli_json(
         node,
         "plan",
         "--workload",

@@ -5,12 +5,7 @@ daemons, the real CLI, real CRIU on a real process, a moto S3 store over HTTP.""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,66 +15,20 @@ import pytest
 from tests.e2e.conftest import HANG_GUARD
 from tests.e2e_reclaim import ask
 from tests.e2e_reclaim.conftest import Cluster, cluster_of, triggers_section, wait_for
+from tests.support.holder import Holder
 from tests.support.moto_server import MotoServer
 
 pytestmark = [pytest.mark.criu, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(600)]
 
-HOLDER = Path(__file__).parents[1] / "e2e" / "memory_holder.py"
 # Large enough that the chunks around the change and the interpreter's own pages that change
 # (a few chunks of ~2 MiB, whatever the size) stay well inside the 10% beside the 5%.
 HOLDER_MIB = 384
 NAME = "holder"
 
 
-class Holder:
-    """``memory_holder.py`` with a pid file: changes 5% of itself on SIGUSR1, digests itself
-    on SIGUSR2 (the files it writes say when it is done)."""
-
-    def __init__(self, workdir: Path) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.ready = workdir / "holder.ready"
-        self.pid_file = workdir / "holder.pid"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HOLDER), "--mib", str(HOLDER_MIB), "--ready", str(self.ready)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.pid = self.proc.pid
-        self.pid_file.write_text(f"{self.pid}\n")
-        wait_for("the holder to fill its memory", lambda: self.ready.exists() or self.exited())
-        assert not self.exited()
-
-    def exited(self) -> bool:
-        return self.proc.poll() is not None
-
-    def _ask(self, sig: int, path: Path) -> str:
-        path.unlink(missing_ok=True)
-        os.kill(self.pid, sig)
-        wait_for(f"{path.name} from the holder", path.exists)
-        return path.read_text().strip()
-
-    def change(self) -> None:
-        self._ask(signal.SIGUSR1, Path(f"{self.ready}.changed"))
-
-    def digest(self) -> str:
-        return self._ask(signal.SIGUSR2, Path(f"{self.ready}.digest"))
-
-    def kill_whatever_runs(self) -> None:
-        """The original (if alive) or the restored process (a daemon's child, or ours as the
-        subreaper once that daemon stopped)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        if not self.exited():
-            self.proc.wait(HANG_GUARD)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
-
-
 @pytest.fixture
 def holder(tmp_path: Path) -> Iterator[Holder]:
-    h = Holder(tmp_path / "run")
+    h = Holder(tmp_path / "run", HOLDER_MIB)
     yield h
     h.kill_whatever_runs()
 
