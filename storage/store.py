@@ -28,7 +28,6 @@ from gpusnap.storage.gc import GcReport
 from gpusnap.storage.index import ChunkIndex, rebuild_index
 from gpusnap.storage.keys import StoreKeys, load_encryption_key, load_signing_key
 from gpusnap.storage.manifest import Manifest, ManifestSummary
-from gpusnap.storage.memory import return_freed_buffers
 from gpusnap.storage.parallel import ProgressFn
 from gpusnap.storage.prefetch import PrefetchResult, TokenBucket
 from gpusnap.storage.pull import PullResult, PullStats
@@ -328,10 +327,8 @@ def open_store(
 
     ``cache_dir`` holds the store's chunk index; ``chunk_cache`` is the node's chunk cache
     (``storage.cache.ChunkCache``, the caller's to close, after the store), which pulls read
-    before the store and fill, and pushes may seed. The first store a process opens sets its
-    allocator to give freed chunk buffers back (``storage/memory.py``).
+    before the store and fill, and pushes may seed.
     """
-    return_freed_buffers()
     signer = load_signing_key(key_file) if key_file is not None else None
     encryption = load_encryption_key(encryption_key_file) if encryption_key_file else None
     if workers is not None and workers < 1:
