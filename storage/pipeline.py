@@ -225,6 +225,9 @@ def push_inputs(
     stats = PushStats(bytes_total=sum(max(0, f.size) for f in inputs))
     backend, codec, index = ctx.backend, ctx.codec, ctx.index
     budget = ByteBudget(ctx.pools.budget_bytes)
+    # Encoded objects waiting for their put are the push's own memory (a file's chunks are
+    # views of its map): at most half the budget of them, whatever the store's speed.
+    waiting = ByteBudget(ctx.pools.budget_bytes // 2)
     run = Run()
     seen: set[str] = set()  # dedup within this push, including chunks still uploading
     seen_lock = threading.Lock()
@@ -245,6 +248,7 @@ def push_inputs(
         except BaseException as exc:
             run.fail(translate_error(exc, f"uploading chunk {chunk_id}"))
         finally:
+            waiting.release(len(data))
             budget.release(length)
 
     def task(view: memoryview, length: int, named: str | None, refs: list[Any], at: int) -> None:
@@ -261,7 +265,12 @@ def push_inputs(
             if fresh:
                 obj = codec.encode(chunk_id, view, compress=compress)
                 view.release()  # before the put: the input is not needed any more
-                putting.submit(ctx.pools.io, put, chunk_id, obj.data, length)
+                waiting.acquire(len(obj.data), run.abort)  # released by the put
+                try:
+                    putting.submit(ctx.pools.io, put, chunk_id, obj.data, length)
+                except BaseException:
+                    waiting.release(len(obj.data))
+                    raise
                 handed_off = True
             else:
                 with stats.lock:
