@@ -139,6 +139,7 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
             "criu": _criu_line(node),
             "gpu": str(gpu.get("message") or ("present" if gpu.get("driver_present") else "none")),
             "store": "reachable" if store_ok else f"unreachable: {store_error}",
+            "cache": _cache_line(node),
         },
         "jobs_running": daemon.jobs_running,
         "workloads": [
@@ -148,6 +149,16 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
         "interrupted_at_start": daemon.interrupted_at_start,
         "triggers": daemon.triggers,
     }
+
+
+def _cache_line(node: Node) -> str:
+    """The node's chunk cache in one line: where, or why there is none."""
+    if not node.config.cache.enabled:
+        return "off ([cache] enabled = false)"
+    cache = node.store.cache
+    if cache is not None:
+        return f"{cache.dir}, budget {cache.max_bytes} bytes"
+    return f"not used: {node.store.cache_error or 'the store is not open yet'}"
 
 
 def _warmth(node: Node, last: dict[str, Any]) -> dict[str, Any] | None:

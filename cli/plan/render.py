@@ -102,7 +102,7 @@ def render_fits(fits: list[Fit], bandwidth: float | None, source: str | None) ->
 def _pushed_row(what: str, p: Pushed | None) -> list[str]:
     if p is None:
         return [what, "-", "-", "-", "-"]
-    took = "-" if p.upload_seconds is None else f"{p.upload_seconds:.1f} s"
+    took = "-" if p.upload_seconds is None else f"{p.upload_seconds:.2f} s"
     return [what, p.checkpoint_id, _b(p.bytes_total), _b(p.bytes_uploaded), took]
 
 

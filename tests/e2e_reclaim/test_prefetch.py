@@ -114,7 +114,9 @@ def test_the_restore_result_and_json_carry_bytes_fetched_and_bytes_cached_when_c
     b = cluster.node("b", triggers_section("none") + _workload())
     cp = ask.cli_json(a, "checkpoint", "--workload", NAME, "--wait")["checkpoint_id"]
     holder.proc.wait(HANG_GUARD)
-    cold = _warm(ask.cli_json(b, "status"))
+    status_b = ask.cli_json(b, "status")
+    assert status_b["capabilities"]["cache"].startswith(f"{b.state_dir / 'cache'}, budget ")
+    cold = _warm(status_b)
     assert cold is not None and (cold["checkpoint_id"], cold["bytes_warm"]) == (cp, 0)
     assert _warm(ask.cli_json(a, "status")) == {
         **cold,
