@@ -139,6 +139,13 @@ def _job_text(job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _warm(warm: Any) -> str:
+    """How much of the checkpoint this node's chunk cache holds: ``93% of 1.2 GiB``."""
+    if not isinstance(warm, dict) or not isinstance(warm.get("bytes_total"), int):
+        return "-"
+    return f"{100 * float(warm.get('fraction') or 0):.0f}% of {human_bytes(warm['bytes_total'])}"
+
+
 def _age(seconds: Any) -> str:
     """``3725.2`` -> ``1h02m``; None -> ``-``."""
     if not isinstance(seconds, int | float):
@@ -228,7 +235,13 @@ def _succeeded_line(job: dict[str, Any], s: dict[str, Any]) -> str:
         ]
         lines.extend(f"  - {_reason_text(r)}" for r in s.get("reasons") or [])
         return "\n".join(lines)
-    return f"restored {s.get('checkpoint_id')}{as_container}{took} (pids {pids})"
+    fetched, cached = s.get("bytes_fetched"), s.get("bytes_cached")
+    source = ""
+    if isinstance(fetched, int) and isinstance(cached, int):
+        source = (
+            f"; {human_bytes(fetched)} from the store, {human_bytes(cached)} from this node's cache"
+        )
+    return f"restored {s.get('checkpoint_id')}{as_container}{took} (pids {pids}){source}"
 
 
 def _reason_text(reason: Any) -> str:
@@ -410,12 +423,13 @@ def _status_text(status: dict[str, Any]) -> str:
             str(w.get("name", "?")),
             str(w.get("last_checkpoint_id") or "-"),
             _age(w.get("last_checkpoint_age_seconds")),
+            _warm(w.get("warm")),
         ]
         for w in status.get("workloads") or []
         if isinstance(w, dict)
     ]
     if rows:
-        lines.append(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE"], rows))
+        lines.append(render_table(["WORKLOAD", "LAST CHECKPOINT", "AGE", "WARM HERE"], rows))
     lines += _store_check_lines(status.get("store_check"))
     return "\n".join(lines)
 

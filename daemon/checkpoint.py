@@ -91,7 +91,8 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     staging = node.dirs.job_staging(ctx.job_id)
     images = staging / "images"
     dump_log = node.dirs.logs / f"{ctx.job_id}-dump.log"
-    gpu_memory = MemoryUploads(store)
+    seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
+    gpu_memory = MemoryUploads(store, seed_cache=seed)
     pages: PageStreamer | None = None
     try:
         ctx.phase(Phase.FREEZE_GPU)
@@ -115,7 +116,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         # A first checkpoint uploads everything: overlap that with the dump (a later one
         # follows its parent's chunks, which makes its upload cheap after the dump).
         if parent is None and node.config.daemon.upload_during_dump:
-            pages = PageStreamer(store, images, compress=plan.compress)
+            pages = PageStreamer(store, images, compress=plan.compress, seed_cache=seed)
             pages.start()
         try:
             with progress.dumping(ctx, images, pids):
@@ -192,6 +193,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                 extra={"job": ctx.job_id, "pause_seconds": round(pause, 6)},
                 uploaded_streams=uploaded,
                 full=full is not None,
+                seed_cache=seed,
             )
         except GpusnapError as err:
             if not plan.leave_running:

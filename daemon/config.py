@@ -133,6 +133,20 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
+class CacheSection:
+    """The node's chunk cache (``storage/cache``): every pull on the node reads it first, the
+    daemon's own checkpoints seed it, a standby prefetches into it."""
+
+    enabled: bool = True
+    dir: Path | None = None  # default: <state_dir>/cache
+    max_bytes: int | None = None  # default: the budget recorded there, else 1/4 of its disk
+    seed: bool = True  # the daemon's own checkpoints leave their chunks in it
+
+    def directory(self, state_dir: Path) -> Path:
+        return self.dir or (state_dir / "cache")
+
+
+@dataclass(frozen=True)
 class GpuSection:
     driver: str = "auto"  # auto | cuda | none
     lock_timeout_s: float = 10.0
@@ -158,6 +172,7 @@ class Config:
     migration: MigrationConfig
     containers: ContainersSection = field(default_factory=ContainersSection)
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    cache: CacheSection = CacheSection()
 
     def workload(self, name: str) -> WorkloadConfig | None:
         for w in self.workloads:
@@ -215,6 +230,7 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
     workloads = _parse_workloads(top.array_of_tables("workload"))
     gpu = _parse_gpu(top.table("gpu"))
     metrics = _parse_metrics(top.table("metrics"))
+    cache = _parse_cache(top.table("cache"))
     triggers = parse_triggers(top.raw_table("triggers"))
     migration = parse_migration(top.raw_table("migration"))
     containers = parse_containers(top.table("containers"))
@@ -231,6 +247,7 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
         migration=migration,
         containers=containers,
         raw=dict(data),
+        cache=cache,
     )
 
 
@@ -316,6 +333,18 @@ def _check_interval(t: Table) -> float:
     if not math.isfinite(seconds):  # TOML has inf and nan; neither is a schedule
         raise t.bad("check_interval", "must be a number of seconds (0: off)")
     return seconds
+
+
+def _parse_cache(t: Table) -> CacheSection:
+    d = CacheSection()
+    section = CacheSection(
+        enabled=_or(t.boolean("enabled"), d.enabled),
+        dir=t.path("dir"),
+        max_bytes=t.integer("max_bytes", minimum=1),
+        seed=_or(t.boolean("seed"), d.seed),
+    )
+    t.done()
+    return section
 
 
 def _check_store_keys(store: StoreSection) -> None:

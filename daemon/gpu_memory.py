@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from gpusnap.daemon.gpu.custom_storage import CustomStorage, DeviceMemory, MemorySource, Piece
 from gpusnap.errors import FailedPrecondition
 from gpusnap.storage import CheckpointStore, Manifest
+from gpusnap.storage.pull import PullStats
 from gpusnap.storage.streams import GPU_MEMORY_KIND, StreamSource, UploadedStreams
 
 
@@ -25,11 +26,13 @@ class MemoryUploads:
     ``sink`` puts each process's memory in the store (``CheckpointStore.upload_streams``)
     before the driver may drop it; ``uploaded`` is what the checkpoint's push names. ``source``
     reads it back for a thaw (leave-running), a roll-back or a rescue: before the commit only
-    these streams hold that memory.
+    these streams hold that memory. ``seed_cache`` keeps what goes up in the node's chunk
+    cache too (``[cache] seed``).
     """
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, *, seed_cache: bool = False) -> None:
         self._store = store
+        self._seed_cache = seed_cache
         self.uploaded: UploadedStreams | None = None
 
     def custom_storage(self) -> CustomStorage:
@@ -37,7 +40,7 @@ class MemoryUploads:
 
     def sink(self, memory: Sequence[DeviceMemory]) -> None:
         streams = {m.path: StreamSource(m.size, m.buffers, GPU_MEMORY_KIND) for m in memory}
-        uploaded = self._store.upload_streams(streams)
+        uploaded = self._store.upload_streams(streams, seed_cache=self._seed_cache)
         if self.uploaded is None:
             self.uploaded = uploaded
         else:
@@ -62,6 +65,9 @@ class MemoryUploads:
         return self._store.open_stream(pending, path)
 
 
-def committed_source(store: CheckpointStore, manifest: Manifest) -> MemorySource:
-    """The device memory a committed (authenticated) checkpoint holds."""
-    return functools.partial(store.open_stream, manifest)
+def committed_source(
+    store: CheckpointStore, manifest: Manifest, stats: PullStats | None = None
+) -> MemorySource:
+    """The device memory a committed (authenticated) checkpoint holds; ``stats`` counts what
+    came from the store and from the node's chunk cache."""
+    return functools.partial(store.open_stream, manifest, stats=stats)

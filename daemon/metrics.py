@@ -17,6 +17,11 @@ Exposed series:
   last check found), ``gpusnap_store_last_check_timestamp_seconds`` and
   ``gpusnap_store_last_check_duration_seconds`` gauges; ``gpusnap_store_check_failures_total``
   counter (checks that could not run: the store unreachable)
+- ``gpusnap_bytes_fetched_total{kind}`` / ``gpusnap_bytes_cached_total{kind}`` counters: chunk
+  object bytes a restore or a standby's prefetch (``kind``) read from the store, and those it
+  read from the node's chunk cache instead
+- ``gpusnap_warm_fraction{workload}`` gauge: how much of the workload's latest checkpoint
+  (of what a restore of it would fetch) the node's chunk cache holds, on a prefetching standby
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ class MetricsRegistry:
         self._last_checkpoint: dict[str, float] = {}
         self._store_check: StoreCheckFigures | None = None
         self._store_check_failures = 0
+        self._bytes_fetched: dict[Labels, int] = {}
+        self._bytes_cached: dict[Labels, int] = {}
+        self._warm: dict[str, float] = {}
 
     def observe_job(
         self,
@@ -151,6 +159,19 @@ class MetricsRegistry:
         """A store check could not run (the store unreachable, say)."""
         with self._lock:
             self._store_check_failures += 1
+
+    def observe_fetch(self, kind: str, *, fetched: int, cached: int) -> None:
+        """Count what a pull of ``kind`` (restore, prefetch) read from the store (``fetched``)
+        and from the node's chunk cache (``cached``), in chunk object bytes."""
+        key: Labels = (("kind", kind),)
+        with self._lock:
+            self._bytes_fetched[key] = self._bytes_fetched.get(key, 0) + max(0, fetched)
+            self._bytes_cached[key] = self._bytes_cached.get(key, 0) + max(0, cached)
+
+    def set_warm_fraction(self, workload: str, fraction: float) -> None:
+        """How much of ``workload``'s latest checkpoint the node's cache holds (0..1)."""
+        with self._lock:
+            self._warm[workload] = min(1.0, max(0.0, fraction))
 
     def render(self) -> str:
         """The whole registry in the Prometheus text format."""
@@ -197,6 +218,24 @@ class MetricsRegistry:
                 ((w, max(0.0, now - t)) for w, t in self._last_checkpoint.items()),
             )
             self._store_check_series(out)
+            self._counter(
+                out,
+                "gpusnap_bytes_fetched_total",
+                "Chunk object bytes read from the store, by restores and prefetches.",
+                self._bytes_fetched,
+            )
+            self._counter(
+                out,
+                "gpusnap_bytes_cached_total",
+                "Chunk object bytes read from the node's chunk cache instead of the store.",
+                self._bytes_cached,
+            )
+            self._gauge(
+                out,
+                "gpusnap_warm_fraction",
+                "Fraction of each workload's latest checkpoint held in the node's chunk cache.",
+                self._warm.items(),
+            )
             return "\n".join(out) + "\n"
 
     def _store_check_series(self, out: list[str]) -> None:

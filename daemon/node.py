@@ -27,20 +27,52 @@ from gpusnap.daemon.stamp import gpusnap_stamp, host_stamp
 from gpusnap.daemon.statedir import StateDirs
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import FailedPrecondition, GpusnapError
-from gpusnap.storage import CheckpointStore, Manifest, open_store
+from gpusnap.storage import CheckpointStore, ChunkCache, Manifest, open_store
 
 log = logging.getLogger(__name__)
 
 
 class StoreHandle:
     """Opens the store lazily and again after a failure: an unreachable store at start is a
-    warning, and each job that needs it fails with ``Unavailable`` until it is back."""
+    warning, and each job that needs it fails with ``Unavailable`` until it is back.
+
+    The store is opened with the node's chunk cache (``[cache]``), which every pull of the
+    node reads before the store. A cache that cannot be opened (a full or read-only disk,
+    a directory that is not ours) never keeps the store from opening: it is a warning, the
+    store opens without one, and the cache is tried again the next time the store is
+    opened; ``cache_error`` says why meanwhile.
+    """
 
     def __init__(self, config: Config) -> None:
         self._config = config
         self._store: CheckpointStore | None = None
+        self._cache: ChunkCache | None = None
         self._lock = threading.Lock()
         self.last_error: str | None = None
+        self.cache_error: str | None = None
+        # The latest manifest asked about per workload (``warmth``): status asks again and
+        # again about the same one. Holds one manifest per workload (its chunk list).
+        self._manifests: dict[str, Manifest] = {}
+
+    @property
+    def cache(self) -> ChunkCache | None:
+        """The node's chunk cache, once a store was opened with it."""
+        return self._cache
+
+    def _chunk_cache(self) -> ChunkCache | None:
+        c = self._config.cache
+        if not c.enabled:
+            return None
+        if self._cache is None:
+            directory = c.directory(self._config.daemon.state_dir)
+            try:
+                self._cache = ChunkCache(directory, max_bytes=c.max_bytes)
+            except GpusnapError as err:
+                self.cache_error = str(err)
+                log.warning("chunk cache not used (pulls go to the store): %s", err)
+                return None
+            self.cache_error = None
+        return self._cache
 
     def get(self) -> CheckpointStore:
         with self._lock:
@@ -56,6 +88,7 @@ class StoreHandle:
                         trusted_keys=s.trusted_keys,
                         cache_dir=s.cache_dir or (self._config.daemon.state_dir / "cache"),
                         workers=s.workers,
+                        chunk_cache=self._chunk_cache(),
                     )
                 except GpusnapError as err:
                     self.last_error = str(err)
@@ -63,11 +96,39 @@ class StoreHandle:
                 self.last_error = None
             return self._store
 
+    def warmth(self, checkpoint_id: str) -> dict[str, Any] | None:
+        """How much of a checkpoint the node's chunk cache holds, of what a restore of it
+        would fetch: ``{checkpoint_id, bytes_warm, bytes_total, fraction}``; ``None`` when
+        the store has no cache. One query of the cache's index (and the manifest, the first
+        time this checkpoint is asked about)."""
+        store = self.get()
+        if store.cache is None:
+            return None
+        with self._lock:
+            manifest = next(
+                (m for m in self._manifests.values() if m.checkpoint_id == checkpoint_id), None
+            )
+        if manifest is None:
+            manifest = store.manifest(checkpoint_id)  # authenticated
+            with self._lock:
+                self._manifests[manifest.workload] = manifest
+        warm, total = store.warm_bytes(manifest)
+        return {
+            "checkpoint_id": checkpoint_id,
+            "bytes_warm": warm,
+            "bytes_total": total,
+            "fraction": round(warm / total, 6) if total else 1.0,
+        }
+
     def close(self) -> None:
         with self._lock:
+            self._manifests.clear()
             if self._store is not None:
                 self._store.close()
                 self._store = None
+            if self._cache is not None:  # after the store: it may still flush into it
+                self._cache.close()
+                self._cache = None
 
 
 class HostFacts:

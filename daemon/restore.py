@@ -23,10 +23,12 @@ from gpusnap.daemon.host import coldstart, proctree, scopes
 from gpusnap.daemon.host.criu import can_punch_holes, remove_logs, systemd_running
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
+from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage import CheckpointStore, Manifest
+from gpusnap.storage.pull import PullStats
 from gpusnap.storage.streams import GPU_MEMORY_KIND
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             direct=False,
             durable=False,
         )
+        METRICS.observe_fetch("restore", fetched=pulled.bytes_fetched, cached=pulled.bytes_cached)
         ctx.phase(Phase.RESTORE_PROCESS)
         # From here the tree runs (or is being made to): a cancel could only orphan it.
         ctx.cancellable = False
@@ -113,15 +116,20 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
                 node.adopt(pid)
         ctx.phase(Phase.RESTORE_GPU)
         gpu_stamp = manifest.stamp.get("gpu")
+        streamed = PullStats()  # device memory read back through custom storage, if any
         try:
             node.gpu.restore(
                 pids or [restored.pid],
                 gpu_stamp if isinstance(gpu_stamp, dict) else {},
-                source=committed_source(store, manifest),
+                source=committed_source(store, manifest, streamed),
             )
         except GpusnapError as err:  # no retry exists: the restored tree is lost
             _cold_start(node, ctx, manifest, [give_up(err, [restored.pid, *pids])])
             return
+        finally:
+            METRICS.observe_fetch(
+                "restore", fetched=streamed.bytes_fetched, cached=streamed.bytes_cached
+            )
         tree = [restored.pid, *[p for p in pids if p != restored.pid]]
         ctx.result(
             mode="restored",
@@ -129,8 +137,11 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             reasons=[],
             prepare_seconds=round(prepare, 6),
             fetch_seconds=round(pulled.seconds, 6),
-            bytes_fetched=pulled.bytes_fetched,
-            bytes_total=pulled.bytes_total,
+            # The image and the device memory streams together: from the store, from the
+            # node's chunk cache instead, and their logical size.
+            bytes_fetched=pulled.bytes_fetched + streamed.bytes_fetched,
+            bytes_cached=pulled.bytes_cached + streamed.bytes_cached,
+            bytes_total=pulled.bytes_total + streamed.bytes_total,
             restore_seconds=round(restored.wall_seconds, 6),
             # CRIU's own account (--display-stats): its time restoring, pages it wrote.
             criu_restore_time_seconds=round(restored.stats.get("Restore time", 0) / 1e6, 6),

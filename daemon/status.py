@@ -7,6 +7,7 @@ reported in the answer (``store_error``, ``reachable: false``), never raised.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from gpusnap.daemon.host.target import workload_root
 from gpusnap.daemon.jobs.job import Job
 from gpusnap.daemon.node import Node
 from gpusnap.errors import GpusnapError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,9 +150,13 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
             "gpu": str(gpu.get("message") or ("present" if gpu.get("driver_present") else "none")),
             "store": "reachable" if store_ok else f"unreachable: {store_error}",
             "containers": _containers_line(node),
+            "cache": _cache_line(node),
         },
         "jobs_running": daemon.jobs_running,
-        "workloads": [{"name": name, **info} for name, info in last.items()],
+        "workloads": [
+            {"name": name, **info, "warm": _warmth(node, info) if store_ok else None}
+            for name, info in last.items()
+        ],
         "interrupted_at_start": daemon.interrupted_at_start,
         "triggers": daemon.triggers,
         "store_check": daemon.store_check,
@@ -166,6 +173,28 @@ def _containers_line(node: Node) -> str:
         except GpusnapError as err:  # its message names the runtime
             out.append(str(err) if str(err).startswith(name) else f"{name}: {err}")
     return "; ".join(out)
+
+
+def _cache_line(node: Node) -> str:
+    """The node's chunk cache in one line: where, or why there is none."""
+    if not node.config.cache.enabled:
+        return "off ([cache] enabled = false)"
+    cache = node.store.cache
+    if cache is not None:
+        return f"{cache.dir}, budget {cache.max_bytes} bytes"
+    return f"not used: {node.store.cache_error or 'the store is not open yet'}"
+
+
+def _warmth(node: Node, last: dict[str, Any]) -> dict[str, Any] | None:
+    """How much of the workload's latest checkpoint is in this node's chunk cache."""
+    checkpoint_id = last.get("last_checkpoint_id")
+    if not isinstance(checkpoint_id, str):
+        return None
+    try:
+        return node.store.warmth(checkpoint_id)
+    except GpusnapError as err:
+        log.warning("cannot tell how much of %s is cached here: %s", checkpoint_id, err)
+        return None
 
 
 def _criu_line(node: Node) -> str:

@@ -92,6 +92,17 @@ def list_manifests(
     return out, skipped
 
 
+def checkpoint_ids(ctx: StoreContext, workload: str) -> list[str]:
+    """The ids of ``workload``'s checkpoints, newest first by the time in the id (one LIST;
+    nothing is read, so nothing is authenticated yet: read the one you use)."""
+    ids = [
+        parts[1]
+        for info in ctx.backend.list(manifest_prefix(workload))
+        if (parts := split_manifest_key(info.key)) is not None and parts[0] == workload
+    ]
+    return sorted(ids, reverse=True)
+
+
 def write_manifest(ctx: StoreContext, manifest: Manifest) -> None:
     """Seal ``manifest`` and create its object: the checkpoint exists from here on.
 

@@ -164,15 +164,21 @@ class Destination:
 class AlignedBuffers:
     """Page-aligned buffers of one chunk's size (plus alignment slack), reused across chunks.
 
-    At most one per worker thread exists at a time; they are unmapped when the pull ends.
+    At most ``limit`` exist: ``take`` waits for one to be given back beyond that, so what a
+    pull holds of decoded chunks (each buffer's pages stay resident once touched) is bounded
+    by ``limit`` whatever the size of the image. They are unmapped when the pull ends.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("a pull needs at least one buffer")
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         self._all: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        self._out = threading.BoundedSemaphore(limit)
 
     def take(self) -> mmap.mmap:
+        self._out.acquire()  # given back by ``give``, which writers always reach
         try:
             return self._free.get_nowait()
         except queue.Empty:
@@ -183,6 +189,7 @@ class AlignedBuffers:
 
     def give(self, buf: mmap.mmap) -> None:
         self._free.put(buf)
+        self._out.release()
 
     def close(self) -> None:
         with self._lock:

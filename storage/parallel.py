@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpusnap.errors import FailedPrecondition, GpusnapError, Internal, InvalidArgument
 
@@ -37,6 +39,47 @@ class ByteBudget:
         with self._cond:
             self._used -= n
             self._cond.notify_all()
+
+
+class Outstanding:
+    """Tasks submitted to a pool and not yet finished, counted rather than kept.
+
+    A push or pull of a large image runs a task per chunk; holding each one's ``Future``
+    until the end would cost memory in proportion to the image (a ``Future`` and its
+    condition, per chunk). A task's errors are the task's to report (into its ``Run``); its
+    result is dropped. Once ``wait`` returns, nothing submitted through this is running.
+    """
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._cond = threading.Condition()
+
+    def submit(self, pool: Executor, fn: Callable[..., object], *args: Any) -> None:
+        with self._cond:
+            self._count += 1
+        try:
+            future = pool.submit(fn, *args)
+        except BaseException:
+            self._finished(None)
+            raise
+        future.add_done_callback(self._finished)
+
+    def _finished(self, _future: Future[object] | None) -> None:
+        with self._cond:
+            self._count -= 1
+            if self._count == 0:
+                self._cond.notify_all()
+
+    def wait(self, tick: Callable[[], None] | None = None) -> None:
+        """Until every task submitted so far has finished; ``tick`` is called now and then
+        meanwhile (progress)."""
+        while True:
+            with self._cond:
+                if not self._count:
+                    return
+                self._cond.wait(0.2)
+            if tick is not None:  # outside the lock: finishing tasks never wait on it
+                tick()
 
 
 class Run:

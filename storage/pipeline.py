@@ -14,8 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,14 @@ from gpusnap.storage.context import StoreContext
 from gpusnap.storage.follow import ChunkIdFn, cut_following
 from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.manifest import ChunkRef, FileEntry
-from gpusnap.storage.parallel import ByteBudget, ProgressFn, Run, Tally, translate_error
+from gpusnap.storage.parallel import (
+    ByteBudget,
+    Outstanding,
+    ProgressFn,
+    Run,
+    Tally,
+    translate_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -220,17 +226,24 @@ def push_inputs(
     A stream is consumed exactly once, by the calling thread; an error it raises aborts the
     push like any other. Without ``use_index`` every distinct chunk is put (a full
     checkpoint: nothing is taken on the index's word).
+
+    Memory: the chunks in flight are held within the store's byte budget; what stays for
+    the whole push is one ``ChunkRef`` per chunk (the manifest's chunk lists) and the id of
+    each distinct chunk (``seen``, this push's dedup): about 300 bytes a chunk. Tasks are
+    counted (``Outstanding``), not kept.
     """
     # A stream of unknown size counts when it ends (below).
     stats = PushStats(bytes_total=sum(max(0, f.size) for f in inputs))
     backend, codec, index = ctx.backend, ctx.codec, ctx.index
     budget = ByteBudget(ctx.pools.budget_bytes)
+    # Encoded objects waiting for their put are the push's own memory (a file's chunks are
+    # views of its map): at most half the budget of them, whatever the store's speed.
+    waiting = ByteBudget(ctx.pools.budget_bytes // 2)
     run = Run()
     seen: set[str] = set()  # dedup within this push, including chunks still uploading
     seen_lock = threading.Lock()
-
-    io_futures: list[Future[None]] = []
-    io_lock = threading.Lock()
+    hashing = Outstanding()  # CPU tasks
+    putting = Outstanding()  # puts on the I/O pool
 
     def put(chunk_id: str, data: bytes, length: int) -> None:
         try:
@@ -246,11 +259,11 @@ def push_inputs(
                 stats.put_ids.add(chunk_id)
         except BaseException as exc:
             run.fail(translate_error(exc, f"uploading chunk {chunk_id}"))
-            raise
         finally:
+            waiting.release(len(data))
             budget.release(length)
 
-    def task(view: memoryview, length: int, named: str | None) -> ChunkRef:
+    def task(view: memoryview, length: int, named: str | None, refs: list[Any], at: int) -> None:
         # CPU stage (hash, compress, encrypt) here; the put goes to the I/O pool so that
         # slow storage never idles a core.
         handed_off = False
@@ -263,18 +276,22 @@ def push_inputs(
                 seen.add(chunk_id)
                 if known:
                     stats.index_skipped.add(chunk_id)
+            refs[at] = ChunkRef(chunk_id, length)
             if fresh:
                 obj = codec.encode(chunk_id, view, compress=compress)
-                with io_lock:
-                    io_futures.append(ctx.pools.io.submit(put, chunk_id, obj.data, length))
+                view.release()  # before the put: the input is not needed any more
+                waiting.acquire(len(obj.data), run.abort)  # released by the put
+                try:
+                    putting.submit(ctx.pools.io, put, chunk_id, obj.data, length)
+                except BaseException:
+                    waiting.release(len(obj.data))
+                    raise
                 handed_off = True
             else:
                 with stats.lock:
                     stats.bytes_done += length
-            return ChunkRef(chunk_id, length)
         except BaseException as exc:
             run.fail(translate_error(exc, "preparing a chunk"))
-            raise
         finally:
             view.release()
             if not handed_off:
@@ -283,12 +300,12 @@ def push_inputs(
     def report() -> None:
         stats.report(progress)
 
-    pending: list[tuple[PushInput, list[Future[ChunkRef]]]] = []
+    pending: list[tuple[PushInput, list[Any]]] = []  # each input and its refs, in order
     cutters: dict[int, _CutAhead] = {}
     try:
         for i, src in enumerate(inputs):
-            futures: list[Future[ChunkRef]] = []
-            pending.append((src, futures))
+            refs: list[Any] = []  # ChunkRef once its task ran
+            pending.append((src, refs))
             for ahead in range(i, min(i + CUT_AHEAD_INPUTS, len(inputs))):
                 if inputs[ahead].cut_ahead and ahead not in cutters:
                     cutters[ahead] = _CutAhead(inputs[ahead])
@@ -302,11 +319,12 @@ def push_inputs(
                     except BaseException:
                         chunk.release()
                         raise
-                    futures.append(ctx.pools.cpu.submit(task, chunk, length, named))
+                    refs.append(None)
+                    hashing.submit(ctx.pools.cpu, task, chunk, length, named, refs, len(refs) - 1)
                     report()
-        _settle([f for _src, futs in pending for f in futs], report)
-        # Every CPU task has run, so io_futures is complete: wait for every put to return.
-        _settle(io_futures, report)
+        hashing.wait(report)
+        # Every CPU task has run, so every put is submitted: wait for each to return.
+        putting.wait(report)
         run.check()
     except BaseException as exc:
         if isinstance(exc, GpusnapError):
@@ -314,10 +332,9 @@ def push_inputs(
             # callback) must not be replaced by a worker's secondary "aborted".
             run.fail(exc)
         run.abort.set()
-        _cancel([f for _src, futs in pending for f in futs])
-        with io_lock:
-            started_io = list(io_futures)
-        _cancel(started_io)
+        # Tasks still queued see the abort and return at once: nothing outlives the push.
+        hashing.wait()
+        putting.wait()
         if run.error is not None:
             raise run.error from None
         raise
@@ -325,30 +342,11 @@ def push_inputs(
         for cutter in cutters.values():  # idempotent; stops any cut never consumed
             cutter.close()
     entries: list[FileEntry] = []
-    for src, futures in pending:
-        refs = [fut.result() for fut in futures]
+    for src, refs in pending:
         size = src.size if src.size >= 0 else sum(ref.size for ref in refs)
         if src.size < 0:
             stats.bytes_total += size
         entries.append(FileEntry(src.path, size, src.mode, refs))
     stats.chunks_total = sum(len(e.chunks) for e in entries)
+    report()
     return entries, stats
-
-
-def _settle(futures: Sequence[Future[Any]], report: Callable[[], None]) -> None:
-    """Wait for every one of ``futures``; a failure is already in the run (first wins)."""
-    for fut in futures:
-        try:
-            fut.result()
-        except BaseException:  # noqa: S112 - the first error is in run.error
-            continue
-        report()
-
-
-def _cancel(futures: Sequence[Future[Any]]) -> None:
-    """Cancel ``futures`` and wait for those already running (nothing outlives the push)."""
-    for fut in futures:
-        fut.cancel()
-    for fut in futures:
-        if not fut.cancelled():
-            fut.exception()

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,7 +44,14 @@ from gpusnap.storage.dest import (
 )
 from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.manifest import FileEntry, Manifest
-from gpusnap.storage.parallel import ByteBudget, ProgressFn, Run, Tally, translate_error
+from gpusnap.storage.parallel import (
+    ByteBudget,
+    Outstanding,
+    ProgressFn,
+    Run,
+    Tally,
+    translate_error,
+)
 from gpusnap.storage.streams import stream_kinds
 
 log = logging.getLogger(__name__)
@@ -121,14 +128,18 @@ def pull(
 
 
 def open_stream(
-    ctx: StoreContext, checkpoint: str | Manifest, path: str
+    ctx: StoreContext,
+    checkpoint: str | Manifest,
+    path: str,
+    *,
+    stats: PullStats | None = None,
 ) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(offset, bytes)`` of one entry of a checkpoint (``CheckpointStore.open_stream``)."""
     manifest = fetch_manifest(ctx, checkpoint) if isinstance(checkpoint, str) else checkpoint
     entry = next((f for f in manifest.files if f.path == path), None)
     if entry is None:
         raise NotFound(f"checkpoint {manifest.checkpoint_id} has no entry {path!r}")
-    return read_entry(ctx, entry)
+    return read_entry(ctx, entry, stats=stats)
 
 
 def _missing(chunk_id: str, exc: NotFound) -> Corrupt:
@@ -165,18 +176,27 @@ def fetch_chunk(
     return value, len(obj), False
 
 
-def read_entry(ctx: StoreContext, entry: FileEntry) -> Iterator[tuple[int, bytes | memoryview]]:
+def read_entry(
+    ctx: StoreContext, entry: FileEntry, *, stats: PullStats | None = None
+) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(offset, bytes)`` of one entry's chunks, in order, each verified before it is given.
 
     Chunks are fetched ahead in parallel on the I/O pool, at most the store's byte budget of
     them (and always at least one) at a time, so memory stays bounded whatever the entry's
-    size. Nothing is written anywhere.
+    size. Nothing is written anywhere. ``stats`` counts what came from the store and what
+    from the node's chunk cache (``PullStats.count``), and the entry's bytes in its total.
     """
+    if stats is not None:
+        with stats.lock:
+            stats.bytes_total += entry.size
+            stats.chunks_total += len(entry.chunks)
 
     def fetch(chunk_id: str, size: int) -> bytes | memoryview:
-        content, _size, _cached = fetch_chunk(
+        content, obj_len, cached = fetch_chunk(
             ctx, chunk_id, lambda obj: ctx.codec.decode(chunk_id, obj, size)
         )
+        if stats is not None:
+            stats.count(obj_len, cached)
         return content
 
     window: list[tuple[int, int, Future[bytes | memoryview]]] = []
@@ -229,10 +249,13 @@ def pull_files(
     fetcher = ctx.pools.cpu if ctx.local else ctx.pools.io
     run = Run()
     budget = ByteBudget(ctx.pools.budget_bytes)
-    buffers = AlignedBuffers()
+    # A buffer per decode running and per write waiting, at most: what the pull holds of
+    # decoded chunks is bounded by the machine, whatever the image.
+    buffers = AlignedBuffers(ctx.pools.workers + writers)
     writer = ThreadPoolExecutor(writers, thread_name_prefix="gpusnap-pull-write")
     decoding = threading.BoundedSemaphore(ctx.pools.workers)
-    futures: list[Future[None]] = []
+    fetching = Outstanding()
+    writing = Outstanding()
     try:
         destination.make_dirs(dest)
         # Where each distinct chunk goes: one fetch serves every place it appears.
@@ -246,9 +269,6 @@ def pull_files(
                 sizes[ref.id] = ref.size
                 offset += ref.size
             target.unwritten = len(entry.chunks)
-
-        writes: list[Future[None]] = []
-        writes_lock = threading.Lock()
 
         def written(chunk_id: str) -> list[Target]:
             """Count the places of a chunk as written; the files that are now complete."""
@@ -322,8 +342,7 @@ def pull_files(
                 stats.count(obj_len, cached)
                 # Writes block (O_DIRECT, one at a time per file): on their own threads, so
                 # that decoding goes on meanwhile, within the byte budget.
-                with writes_lock:
-                    writes.append(writer.submit(write, chunk_id, obj_len, buf, shift))
+                writing.submit(writer, write, chunk_id, obj_len, buf, shift)
                 handed = True  # the writer gives the buffer back and releases the budget
             except BaseException as exc:
                 run.fail(dest_error(exc, dest))
@@ -339,29 +358,26 @@ def pull_files(
         for chunk_id in _interleaved(manifest.files):
             if zeros.get(sizes[chunk_id]) == chunk_id:
                 for target in written(chunk_id):
-                    with writes_lock:
-                        writes.append(writer.submit(sync_task, target))
+                    writing.submit(writer, sync_task, target)
                 continue
             budget.acquire(sizes[chunk_id], run.abort)
             if run.abort.is_set():
                 break
-            futures.append(fetcher.submit(task, chunk_id))
+            fetching.submit(fetcher, task, chunk_id)
             stats.report(progress)
-        for fut in futures:
-            fut.result()
-            stats.report(progress)
-        for fut in writes:  # complete: every decode has run, so every write is submitted
-            fut.result()
-            stats.report(progress)
+        fetching.wait(lambda: stats.report(progress))
+        # Every decode has run, so every write is submitted: wait for them all.
+        writing.wait(lambda: stats.report(progress))
+        stats.report(progress)
         run.check()
         destination.commit(durable=durable, pool=writer)
     except BaseException as exc:
         run.abort.set()
-        # Nothing may still write through a descriptor that undo is about to close.
-        for fut in futures:
-            fut.cancel()
-        wait(futures)
-        writer.shutdown(wait=True, cancel_futures=True)
+        # Nothing may still write through a descriptor that undo is about to close: tasks
+        # still queued see the abort and return at once.
+        fetching.wait()
+        writing.wait()
+        writer.shutdown(wait=True)
         destination.undo()
         if isinstance(exc, OSError):
             raise dest_error(exc, dest) from exc

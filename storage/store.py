@@ -36,7 +36,7 @@ from gpusnap.storage.keys import (
 from gpusnap.storage.manifest import Manifest, ManifestSummary
 from gpusnap.storage.parallel import ProgressFn
 from gpusnap.storage.prefetch import PrefetchResult, TokenBucket
-from gpusnap.storage.pull import PullResult
+from gpusnap.storage.pull import PullResult, PullStats
 from gpusnap.storage.push import PushResult
 from gpusnap.storage.records import SignedRecords, open_record, seal_record
 from gpusnap.storage.streams import StreamSource, UploadedStreams
@@ -215,6 +215,12 @@ class CheckpointStore:
         """
         return catalog.list_manifests(self.context, workload)
 
+    def checkpoint_ids(self, workload: str) -> builtins.list[str]:
+        """``workload``'s checkpoint ids, newest first (by the second in the id; two of one
+        second in no particular order). Cheap: one LIST, no manifest read or authenticated;
+        a caller that polls for a new checkpoint reads (``manifest``) only the one it uses."""
+        return catalog.checkpoint_ids(self.context, workload)
+
     def latest(self, workload: str) -> ManifestSummary | None:
         found = self.list(workload)
         return found[0] if found else None
@@ -251,15 +257,17 @@ class CheckpointStore:
         )
 
     def open_stream(
-        self, checkpoint: str | Manifest, path: str
+        self, checkpoint: str | Manifest, path: str, *, stats: PullStats | None = None
     ) -> Iterator[tuple[int, bytes | memoryview]]:
         """``(offset, bytes)`` of one entry of a checkpoint, in order, each chunk verified.
 
         ``checkpoint`` is an id or a manifest already fetched (and so authenticated) by
         ``manifest``. Fetches run ahead in parallel within the store's memory budget; nothing
-        is written to disk. A missing entry is ``NotFound``; a bad chunk ``Corrupt``.
+        is written to disk. A missing entry is ``NotFound``; a bad chunk ``Corrupt``. Chunks
+        come from the node's chunk cache where it has them; ``stats`` (``PullStats()``) counts
+        ``bytes_fetched`` from the store and ``bytes_cached``, over every stream given it.
         """
-        return pull.open_stream(self.context, checkpoint, path)
+        return pull.open_stream(self.context, checkpoint, path, stats=stats)
 
     # --- the node's chunk cache -------------------------------------------------------
 
@@ -391,6 +399,7 @@ __all__ = [
     "GcReport",
     "PrefetchResult",
     "PullResult",
+    "PullStats",
     "PushResult",
     "StoreCheck",
     "VerifyReport",

@@ -110,9 +110,10 @@ def cut_stream(
     FastCDC decides a cut from the bytes since the previous cut only, so cutting a window
     that starts at a cut gives the same cuts as cutting the whole stream, except that the
     window's last chunk may have been cut short by the window's end: it is carried over to
-    the next window and cut again. Each window is a fresh ``bytearray``; the chunks handed
-    on are views of it, so no chunk is copied again and a window is freed when its last
-    chunk is released.
+    the front of the window and cut again with what follows. The window is one ``bytearray``,
+    reused; each chunk handed on is a copy of its bytes, so what the stream holds in flight is
+    exactly the chunks the push's byte budget counts (views of the window would keep whole
+    windows of ``window_bytes`` alive for one chunk each, beyond the budget).
     """
     limit = window_bytes(chunker)
     window = bytearray()
@@ -131,7 +132,7 @@ def cut_stream(
                 window += data[pos : pos + take]
                 pos += take
                 if len(window) >= limit:
-                    window = yield from _emit(chunker, window, final=False)
+                    yield from _emit(chunker, window, final=False)
         finally:
             data.release()
     if seen != source.size:
@@ -140,23 +141,20 @@ def cut_stream(
         yield from _emit(chunker, window, final=True)
 
 
-def _emit(
-    chunker: Chunker, window: bytearray, *, final: bool
-) -> Generator[memoryview, None, bytearray]:
-    """Yield the window's complete chunks; return the carried-over tail as a new window."""
-    cuts = list(chunker.cut(memoryview(window)))
-    if not final:
-        cuts, (tail_offset, _tail_length) = cuts[:-1], cuts[-1]
-    else:
-        tail_offset = len(window)
+def _emit(chunker: Chunker, window: bytearray, *, final: bool) -> Generator[memoryview, None, None]:
+    """Yield copies of the window's complete chunks, then leave in it only the carried tail."""
     view = memoryview(window)
+    consumed = 0
     try:
+        cuts = list(chunker.cut(view))
+        if not final:
+            cuts = cuts[:-1]  # the last one may have been cut short: cut it again later
         for offset, length in cuts:
-            yield view[offset : offset + length]
-        carried = bytearray(view[tail_offset:])
+            yield memoryview(bytes(view[offset : offset + length]))
+            consumed = offset + length
     finally:
-        view.release()
-    return carried
+        view.release()  # before the window changes: a view pins its size
+    del window[:consumed]
 
 
 def stream_kinds(manifest: Manifest) -> dict[str, str]:

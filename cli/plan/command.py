@@ -1,7 +1,9 @@
 """``gpusnap plan``: the subcommand's options, and the one function that runs it.
 
-Needs no daemon. With ``--store URL`` it measures upload bandwidth through the store's
-backend (``bandwidth``); otherwise it touches nothing but the files it is given.
+Needs no daemon, but for ``--workload NAME``: the figures of that workload's real last
+checkpoints, asked of this node's daemon (``measured``). With ``--store URL`` it measures
+upload bandwidth through the store's backend (``bandwidth``); otherwise it touches nothing but
+the files it is given.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from pathlib import Path
 
 from gpusnap.cli._common import Subparsers, common_parser, positive_int
 from gpusnap.cli._output import print_json
-from gpusnap.cli.plan import bandwidth, engines, families, weights
-from gpusnap.cli.plan.estimate import make_plan
-from gpusnap.cli.plan.render import render
-from gpusnap.errors import EXIT_OK
+from gpusnap.cli.plan import bandwidth, engines, families, measured, weights
+from gpusnap.cli.plan.estimate import make_plan, measured_only
+from gpusnap.cli.plan.render import render, render_measured_only
+from gpusnap.errors import EXIT_OK, InvalidArgument
 from gpusnap.storage import BackendOptions
+from gpusnap.storage.manifest import check_workload
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?(?:/s)?\s*$", re.IGNORECASE)
 _POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -71,9 +74,14 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument(
         "--model",
         type=_path,
-        required=True,
         metavar="DIR|config.json",
-        help="the model's directory or its config.json",
+        help="the model's directory or its config.json (needed unless --workload)",
+    )
+    p.add_argument(
+        "--workload",
+        metavar="NAME",
+        help="this node's workload: the checkpoint figures from its real last checkpoints "
+        "(asked of the daemon) instead of estimates",
     )
     p.add_argument(
         "--safetensors-index",
@@ -170,6 +178,25 @@ def register(subparsers: Subparsers) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.model is None and args.workload is None:
+        raise InvalidArgument("gpusnap plan needs --model, --workload, or both")
+    if args.model is None and args.plot is not None:
+        raise InvalidArgument("--plot needs --model (it draws the model's state)")
+    if args.workload is not None:
+        check_workload(args.workload)
+    # Asked first: a workload with no checkpoint (exit 3) or no daemon (exit 5) says so
+    # before any model file is read or bandwidth probed.
+    real = measured.from_daemon(args, args.workload) if args.workload else None
+    rate, source = _bandwidth(args)
+    if args.model is None:
+        assert real is not None
+        doc, fits = measured_only(real, rate, source)
+        if args.json:
+            print_json(doc)
+        else:
+            sys.stdout.write(render_measured_only(doc, real, fits))
+        return EXIT_OK
+
     model = families.read_model(args.model)
     engine = engines.resolve(
         model,
@@ -180,19 +207,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         utilization=args.gpu_memory_utilization,
     )
     found = weights.find(args.model, args.safetensors_index)
-    rate: float | None = args.bandwidth
-    source = "--bandwidth" if rate else None
-    if args.store:
-        endpoint = args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-        measured = bandwidth.measure(
-            args.store,
-            total_bytes=args.probe_bytes,
-            options=BackendOptions(endpoint_url=endpoint, retry_attempts=3, retry_deadline=30.0),
-        )
-        rate = measured.bytes_per_second
-        source = (
-            f"measured: {measured.bytes_sent} bytes to {args.store} in {measured.seconds:.3f} s"
-        )
     plan = make_plan(
         model_path=str(args.model),
         model=model,
@@ -205,6 +219,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         host_bytes=args.host_bytes,
         bandwidth=rate,
         bandwidth_source=source,
+        measured=real,
     )
     if args.plot is not None:
         from gpusnap.cli.plan import plot  # noqa: PLC0415 - matplotlib only for --plot
@@ -219,3 +234,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.plot is not None:
             sys.stdout.write(f"plot: {args.plot}\n")
     return EXIT_OK
+
+
+def _bandwidth(args: argparse.Namespace) -> tuple[float | None, str | None]:
+    """The upload bandwidth given (``--bandwidth``) or measured (``--store``), and its source."""
+    if args.store:
+        endpoint = args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        probe = bandwidth.measure(
+            args.store,
+            total_bytes=args.probe_bytes,
+            options=BackendOptions(endpoint_url=endpoint, retry_attempts=3, retry_deadline=30.0),
+        )
+        return probe.bytes_per_second, (
+            f"measured: {probe.bytes_sent} bytes to {args.store} in {probe.seconds:.3f} s"
+        )
+    rate: float | None = args.bandwidth
+    return rate, "--bandwidth" if rate else None

@@ -8,13 +8,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpusnap.cli.plan import engines
 from gpusnap.cli.plan.engines import Engine
 from gpusnap.cli.plan.shapes import ATTENTION_KINDS, AttentionShape, Kind, ModelShape, StateShape
 from gpusnap.cli.plan.weights import Weights
 from gpusnap.errors import InvalidArgument
+
+if TYPE_CHECKING:  # the daemon client is imported only by a plan that asks it
+    from gpusnap.cli.plan.measured import Measured
 
 GiB = engines.GiB
 
@@ -68,6 +71,9 @@ class Plan:
     bandwidth_source: str | None
     fits: list[Fit]
     notes: list[str] = field(default_factory=list)
+    # --workload: the workload's real last checkpoints, which replace the estimates of both
+    # checkpoints (per node; per GPU is a node's share, ``/ tp``).
+    measured: Measured | None = None
 
     # -- figures ---------------------------------------------------------------------
 
@@ -88,7 +94,22 @@ class Plan:
         return None if self.weights is None else -(-self.weights.total_bytes // self.tp)
 
     @property
-    def full_per_gpu(self) -> int | None:
+    def full_per_gpu(self) -> float | None:
+        """The full checkpoint: the latest real one (``--workload``), else the estimate."""
+        if self.measured is not None:
+            return self.measured.latest.bytes_total / self.tp
+        return self.estimated_full_per_gpu
+
+    @property
+    def reclaim_per_gpu(self) -> float:
+        """The reclaim checkpoint: what the last real incremental one uploaded
+        (``--workload``), else the estimate."""
+        if self.measured is not None and self.measured.reclaim_bytes is not None:
+            return self.measured.reclaim_bytes / self.tp
+        return self.estimated_reclaim_per_gpu
+
+    @property
+    def estimated_full_per_gpu(self) -> int | None:
         """A checkpoint of the whole process: device memory (weights, the whole pool, the
         rest the engine allocated) plus its host pages."""
         if self.weights_per_gpu is None or self.pool_per_gpu is None:
@@ -97,7 +118,7 @@ class Plan:
         return device + self.host_bytes_per_gpu
 
     @property
-    def reclaim_per_gpu(self) -> int:
+    def estimated_reclaim_per_gpu(self) -> int:
         """What a reclaim checkpoint uploads when the weights (and the pool's unused, unchanged
         pages) are already in the store: the live sessions' KV and state, and host pages."""
         return self.sessions * self.state_bytes_per_session + self.host_bytes_per_gpu
@@ -152,20 +173,68 @@ class Plan:
             "host_bytes": both(self.host_bytes_per_gpu),
             "checkpoint_bytes_full": both(self.full_per_gpu),
             "checkpoint_bytes_reclaim": both(self.reclaim_per_gpu),
+            "checkpoint_bytes_source": checkpoint_bytes_source(self.measured),
+            "estimated": {
+                "checkpoint_bytes_full": both(self.estimated_full_per_gpu),
+                "checkpoint_bytes_reclaim": both(self.estimated_reclaim_per_gpu),
+            },
+            "measured": self.measured.to_json() if self.measured is not None else None,
             "bandwidth_bytes_per_second": _num(self.bandwidth) if self.bandwidth else None,
             "bandwidth_source": self.bandwidth_source,
-            "reclaim_fit": {
-                f.cloud: {
-                    "deadline_seconds": _num(f.deadline_seconds),
-                    "upload_seconds": None
-                    if f.upload_seconds is None
-                    else round(f.upload_seconds, 3),
-                    "fits": f.fits,
-                }
-                for f in self.fits
-            },
+            "reclaim_fit": fits_to_json(self.fits),
             "notes": list(self.notes),
         }
+
+
+def fits_to_json(fits: list[Fit]) -> dict[str, Any]:
+    """``reclaim_fit`` of ``--json``: per cloud, its notice, the upload time, and the verdict."""
+    return {
+        f.cloud: {
+            "deadline_seconds": _num(f.deadline_seconds),
+            "upload_seconds": None if f.upload_seconds is None else round(f.upload_seconds, 3),
+            "fits": f.fits,
+        }
+        for f in fits
+    }
+
+
+def measured_only(
+    measured: Measured, bandwidth: float | None, bandwidth_source: str | None
+) -> tuple[dict[str, Any], list[Fit]]:
+    """The plan of ``--workload`` without ``--model``: the real checkpoints and the fit, per
+    node: the ``--json`` document (its keys are those of a full plan it can fill), the fits."""
+    reclaim = measured.reclaim_bytes
+    fits = reclaim_fit(reclaim or 0, bandwidth, measured) if reclaim is not None else []
+    notes = fit_notes(bandwidth, measured) if reclaim is not None else []
+    if reclaim is None:
+        notes.append(
+            "the workload has no incremental checkpoint yet, and without --model nothing is "
+            "estimated: reclaim checkpoint unknown"
+        )
+    doc = {
+        "workload": measured.workload,
+        "checkpoint_bytes_full": {"per_node": measured.latest.bytes_total},
+        "checkpoint_bytes_reclaim": None if reclaim is None else {"per_node": reclaim},
+        "checkpoint_bytes_source": checkpoint_bytes_source(measured),
+        "measured": measured.to_json(),
+        "bandwidth_bytes_per_second": _num(bandwidth) if bandwidth else None,
+        "bandwidth_source": bandwidth_source,
+        "reclaim_fit": fits_to_json(fits),
+        "notes": notes,
+    }
+    return doc, fits
+
+
+def checkpoint_bytes_source(measured: Measured | None) -> dict[str, str]:
+    """Where each checkpoint figure came from: ``measured`` (a real checkpoint, named) or
+    ``estimated`` (the model's shapes and the engine's accounting)."""
+    if measured is None:
+        return {"full": "estimated", "reclaim": "estimated"}
+    inc = measured.last_incremental
+    return {
+        "full": f"measured: {measured.latest.checkpoint_id}",
+        "reclaim": f"measured: {inc.checkpoint_id}" if inc is not None else "estimated",
+    }
 
 
 def _num(x: float) -> float | int:
@@ -212,6 +281,7 @@ def make_plan(
     host_bytes: int | None,
     bandwidth: float | None,
     bandwidth_source: str | None,
+    measured: Measured | None = None,
 ) -> Plan:
     notes: list[str] = []
     if context is None:
@@ -266,17 +336,38 @@ def make_plan(
         bandwidth_source=bandwidth_source,
         fits=[],
         notes=notes,
+        measured=measured,
     )
-    plan.fits = reclaim_fit(plan.reclaim_per_gpu * tp, bandwidth)
-    if bandwidth is None:
-        notes.append("no --bandwidth or --store: upload time not estimated")
+    plan.fits = reclaim_fit(plan.reclaim_per_gpu * tp, bandwidth, measured)
+    notes.extend(fit_notes(bandwidth, measured))
     return plan
 
 
-def reclaim_fit(node_bytes: int, bandwidth: float | None) -> list[Fit]:
-    """Upload seconds of the node's reclaim checkpoint against each cloud's notice."""
-    fits = []
-    for cloud, deadline in CLOUD_DEADLINES:
-        seconds = node_bytes / bandwidth if bandwidth else None
-        fits.append(Fit(cloud, deadline, seconds, None if seconds is None else seconds <= deadline))
-    return fits
+def reclaim_fit(
+    node_bytes: float, bandwidth: float | None, measured: Measured | None = None
+) -> list[Fit]:
+    """Upload seconds of the node's reclaim checkpoint against each cloud's notice: at the
+    bandwidth given or measured, else (``--workload``) the last incremental push's own time."""
+    seconds: float | None = None
+    if bandwidth:
+        seconds = node_bytes / bandwidth
+    elif measured is not None and measured.last_incremental is not None:
+        seconds = measured.last_incremental.upload_seconds
+    return [
+        Fit(cloud, deadline, seconds, None if seconds is None else seconds <= deadline)
+        for cloud, deadline in CLOUD_DEADLINES
+    ]
+
+
+def fit_notes(bandwidth: float | None, measured: Measured | None) -> list[str]:
+    """What the fit rests on, said where it is not a bandwidth given or measured."""
+    if bandwidth:
+        return []
+    if measured is not None and measured.last_incremental is not None:
+        return [
+            f"upload time: the last incremental checkpoint's own push "
+            f"({measured.last_incremental.checkpoint_id})"
+        ]
+    if measured is not None:
+        return ["the workload has no incremental checkpoint yet: reclaim checkpoint estimated"]
+    return ["no --bandwidth or --store: upload time not estimated"]

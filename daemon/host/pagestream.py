@@ -54,6 +54,7 @@ class _Uploader(Protocol):
         stop: Callable[[], bool] = ...,
         kind: str = ...,
         compress: bool | None = ...,
+        seed_cache: bool = ...,
     ) -> UploadedStreams: ...
 
 
@@ -69,10 +70,13 @@ def _page_images(images: Path) -> list[str]:
 class PageStreamer:
     """Streams ``images/pages-*.img`` into the store while CRIU writes them."""
 
-    def __init__(self, store: _Uploader, images: Path, *, compress: bool | None) -> None:
+    def __init__(
+        self, store: _Uploader, images: Path, *, compress: bool | None, seed_cache: bool = False
+    ) -> None:
         self._store = store
         self._images = images
         self._compress = compress
+        self._seed_cache = seed_cache  # keep what goes up in the node's chunk cache too
         self._dumped = threading.Event()  # CRIU has exited (or failed)
         self._abort = threading.Event()
         self._result = UploadedStreams()
@@ -135,6 +139,7 @@ class PageStreamer:
                     stop=self._abort.is_set,
                     kind=_KIND,
                     compress=self._compress,
+                    seed_cache=self._seed_cache,
                 )
                 self._result.merge(uploaded)
                 done.add(name)

@@ -4,7 +4,8 @@ Plain functions over parsed TOML mappings, each returning a frozen, typed value:
 ``parse_triggers`` -> ``TriggersConfig``, ``parse_migration`` -> ``MigrationConfig``,
 ``parse_workload_policy`` -> ``WorkloadPolicy``. ``gpusnap.daemon.config`` calls them; a
 problem is an ``InvalidArgument`` naming the key. Imports nothing of the daemon (only the
-metadata URL check and the error vocabulary), so the daemon's config can import it freely.
+metadata URL check, the workload-name grammar and the error vocabulary), so the daemon's config
+can import it freely.
 
 ```
 [triggers]
@@ -30,6 +31,9 @@ cold_start_after = 120.0                  # an incompatible node claims a reques
 claim_timeout = 1800.0                    # a claim without outcome this old is taken over
 request_ttl = 3600.0                      # a request nobody claimed this old is not acted on
 node_id = ""                              # empty: [daemon] node_id, else the host name
+prefetch = false                          # keep the latest checkpoints warm in the chunk cache
+prefetch_bandwidth = 100000000            # bytes/s from the store, for every workload together
+prefetch_workloads = []                   # empty: every [[workload]] of the config
 ```
 """
 
@@ -41,6 +45,7 @@ from typing import Any, Literal, TypeVar, get_type_hints
 
 from gpusnap.daemon.reclaim._http import check_base_url
 from gpusnap.errors import InvalidArgument
+from gpusnap.storage.manifest import is_workload
 
 PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
 OnNotice = Literal["checkpoint", "none"]
@@ -81,6 +86,10 @@ class MigrationConfig:
     # added later never starts a stale copy of a workload that has run on elsewhere since.
     request_ttl: float = 3600.0
     node_id: str = ""  # empty: the daemon's node id, else the host name
+    # Follow each workload's latest checkpoint into the node's chunk cache (reclaim/prefetch.py)
+    prefetch: bool = False
+    prefetch_bandwidth: float = 100e6  # bytes/s from the store, shared by every workload
+    prefetch_workloads: tuple[str, ...] = ()  # empty: every [[workload]] of the config
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,20 @@ def _word(where: str, value: object) -> str:
     return value
 
 
+def _workload_names(where: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidArgument(f"{where} must be a list of workload names, got {value!r:.60}")
+    for name in value:
+        if not is_workload(name):
+            raise InvalidArgument(
+                f"{where}: {name!r} is not a workload name "
+                "(letters, digits, '.', '_', '-'; at most 128)"
+            )
+    if len(set(value)) != len(value):
+        raise InvalidArgument(f"{where} names a workload twice")
+    return tuple(value)
+
+
 _BY_TYPE: dict[object, Callable[[str, object], object]] = {
     float: _number,
     int: _whole,
@@ -169,7 +192,12 @@ def parse_triggers(data: Mapping[str, Any]) -> TriggersConfig:
 
 def parse_migration(data: Mapping[str, Any]) -> MigrationConfig:
     """Validate the ``[migration]`` table strictly (unknown keys are errors)."""
-    return _parse_table("migration", MigrationConfig, data, {"node_id": _word})
+    return _parse_table(
+        "migration",
+        MigrationConfig,
+        data,
+        {"node_id": _word, "prefetch_workloads": _workload_names},
+    )
 
 
 def parse_workload_policy(workload: str, table: Mapping[str, Any]) -> WorkloadPolicy:

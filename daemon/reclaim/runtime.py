@@ -26,6 +26,7 @@ from gpusnap.daemon.reclaim.manager import TriggerManager
 from gpusnap.daemon.reclaim.node import NodeDaemon
 from gpusnap.daemon.reclaim.notice import Notice, drill_notice
 from gpusnap.daemon.reclaim.policy import PolicyEngine
+from gpusnap.daemon.reclaim.prefetch import PrefetchFollower
 from gpusnap.daemon.reclaim.providers import build_watchers
 from gpusnap.daemon.reclaim.shutdown import (
     LogindInhibitor,
@@ -60,6 +61,7 @@ class ReclaimRuntime:
         daemon_node_id: str | None,
         store_verifies: bool,
     ) -> None:
+        policies = list(policies)
         self._node = node
         self.tcfg = triggers
         self.mcfg = migration
@@ -75,6 +77,12 @@ class ReclaimRuntime:
         self.inhibitor: LogindInhibitor | None = None
         self.logind_error: str | None = None
         self.standby: StandbyLoop | None = None
+        # [migration] prefetch: the latest checkpoint of each workload this node stands by
+        # for, kept warm in its chunk cache (prefetch_workloads, else every configured one).
+        self.prefetch: PrefetchFollower | None = None
+        self._prefetch_workloads = migration.prefetch_workloads or tuple(
+            p.workload for p in policies
+        )
         # Each look at the board finds the store again: ``Unavailable`` while it is not
         # reachable (at start too), and the board there again once it is.
         self.board = MigrationBoard(
@@ -131,6 +139,25 @@ class ReclaimRuntime:
             )
             self.standby.start()
             log.info("migration standby on as node %s", self.node_id)
+        if self.mcfg.prefetch:
+            self._start_prefetch()
+
+    def _start_prefetch(self) -> None:
+        if not self._prefetch_workloads:
+            log.warning("[migration] prefetch = true, but there is no workload to follow")
+            return
+        self.prefetch = PrefetchFollower(
+            self._node.store,
+            self._prefetch_workloads,
+            bandwidth=self.mcfg.prefetch_bandwidth,
+            poll_interval_s=self.mcfg.poll_interval,
+        )
+        self.prefetch.start()
+        log.info(
+            "prefetching the latest checkpoints of %s at up to %.0f bytes/s",
+            ", ".join(self._prefetch_workloads),
+            self.mcfg.prefetch_bandwidth,
+        )
 
     def _latest(self, workload: str) -> str | None:
         summary = self._node.store.get().latest(workload)
@@ -170,6 +197,8 @@ class ReclaimRuntime:
             )
         self.engine.stop()
         self.manager.stop()
+        if self.prefetch is not None:
+            self.prefetch.stop()
         if self.standby is not None:
             self.standby.stop()
         if self.inhibitor is not None:
@@ -200,6 +229,11 @@ class ReclaimRuntime:
                     "looks": self.standby.looks if self.standby else 0,
                     "request_ttl_s": self.mcfg.request_ttl,
                 },
+                "prefetch": (
+                    self.prefetch.state()
+                    if self.prefetch is not None
+                    else {"enabled": self.mcfg.prefetch, "workloads": []}
+                ),
             }
         )
         return out

@@ -26,6 +26,7 @@ from gpusnap.daemon.reclaim.board import (
     MigrationOutcome,
     MigrationRequest,
 )
+from gpusnap.daemon.reclaim.polling import poll_until_stopped
 from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import AlreadyExists, GpusnapError
 
@@ -91,17 +92,16 @@ class StandbyLoop:
             )
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-                self.last_error = None
-            except GpusnapError as exc:
-                self.last_error = str(exc)
-                log.warning("migration standby: %s", exc)
-            except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("migration standby failed")
-            self._stop.wait(self.poll_interval_s)
+        poll_until_stopped(
+            self.tick,
+            self._stop,
+            lambda: self.poll_interval_s,
+            self._set_error,
+            "migration standby",
+        )
+
+    def _set_error(self, error: str | None) -> None:
+        self.last_error = error
 
     def tick(self) -> list[MigrationOutcome]:
         """One look at the board; returns the outcomes this node recorded."""

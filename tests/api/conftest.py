@@ -251,7 +251,20 @@ class FakeService:
                     "last_checkpoint_id": None,
                     "last_checkpoint_at": None,
                     "last_checkpoint_age_seconds": None,
-                }
+                    "warm": None,
+                },
+                {
+                    "name": "tts",
+                    "last_checkpoint_id": "ckpt-1",
+                    "last_checkpoint_at": T0,
+                    "last_checkpoint_age_seconds": 60.0,
+                    "warm": {
+                        "checkpoint_id": "ckpt-1",
+                        "bytes_warm": 3 << 30,
+                        "bytes_total": 4 << 30,
+                        "fraction": 0.75,
+                    },
+                },
             ],
             "interrupted_at_start": ["job-0"],
             "triggers": False,

@@ -167,7 +167,19 @@ def test_ls_show_workloads_status(server: Path, service: FakeService) -> None:
     assert run_cli(server, "workloads").stdout.splitlines()[1].startswith("llm")
     status = _json(run_cli(server, "status", "--json"))
     assert status["version"] == "0.1.0"
-    assert "jobs_running: 0" in run_cli(server, "status").stdout
+    # How much of each workload's latest checkpoint this node's cache holds: typed, both ways.
+    warm = {w["name"]: w["warm"] for w in status["workloads"]}
+    assert warm["llm"] is None
+    assert warm["tts"] == {
+        "checkpoint_id": "ckpt-1",
+        "bytes_warm": 3 << 30,
+        "bytes_total": 4 << 30,
+        "fraction": 0.75,
+    }
+    text = run_cli(server, "status").stdout
+    assert "jobs_running: 0" in text
+    (tts_row,) = [line for line in text.splitlines() if line.startswith("tts")]
+    assert tts_row.endswith("75% of 4.00 GiB"), tts_row
 
 
 def test_socket_from_environment(server: Path) -> None:

@@ -254,15 +254,23 @@ class Cluster:
             client.close()
 
 
+@contextlib.contextmanager
+def cluster_of(tmp_path: Path, moto: MotoServer, bucket: str) -> Iterator[Cluster]:
+    """Nodes over ``bucket`` (fresh, on ``moto``), all stopped at the end (CRIU and root, or
+    a skip)."""
+    criu_or_skip()
+    nodes = Nodes(tmp_path)
+    try:
+        yield Cluster(nodes, moto, bucket)
+    finally:
+        nodes.close()
+
+
 @pytest.fixture
 def cluster(
     tmp_path: Path, moto_server: MotoServer, s3_bucket: str, workload: ReclaimWorkload
 ) -> Iterator[Cluster]:
     # Depends on ``workload`` so that the nodes stop before the workload fixture cleans up:
     # a restore still in flight then finishes first, and its tree is ours to kill and reap.
-    criu_or_skip()
-    nodes = Nodes(tmp_path)
-    try:
-        yield Cluster(nodes, moto_server, s3_bucket)
-    finally:
-        nodes.close()
+    with cluster_of(tmp_path, moto_server, s3_bucket) as cluster:
+        yield cluster

@@ -312,3 +312,24 @@ def test_an_index_without_total_size_is_a_usage_error(cli: Cli, tmp_path: Path) 
     )
     assert result.rc == EXIT_USAGE, str(result)
     assert _one_line(result.err) and "total_size" in result.err
+
+
+def test_plan_needs_a_model_or_a_workload(cli: Cli) -> None:
+    result = cli("plan")
+    assert result.rc == EXIT_USAGE and "needs --model, --workload, or both" in result.err
+
+
+def test_plot_without_a_model_is_a_usage_error(cli: Cli, tmp_path: Path) -> None:
+    result = cli("plan", "--workload", "svc", "--plot", str(tmp_path / "p.png"))
+    assert result.rc == EXIT_USAGE and "--plot needs --model" in result.err, str(result)
+
+
+def test_plan_workload_without_a_daemon_exits_5_in_one_line(cli: Cli, tmp_path: Path) -> None:
+    result = cli("--socket", str(tmp_path / "none.sock"), "plan", "--workload", "svc")
+    assert result.rc == 5, str(result)
+    assert len(result.err.strip().splitlines()) == 1 and "Traceback" not in result.err
+
+
+def test_a_bad_workload_name_is_a_usage_error(cli: Cli) -> None:
+    result = cli("plan", "--workload", "../etc")
+    assert result.rc == EXIT_USAGE and "not a workload name" in result.err, str(result)

@@ -7,6 +7,7 @@
         proxy.drop_next(1)                 # the next request: connection closed, no answer
         proxy.lose_reply_next(1)           # the next request is applied, its answer is lost
         proxy.go_down()                    # refuse connections (port closed) until go_up()
+        proxy.throttle(50e6)               # answers' bodies at most 50 MB/s, all together
 
 Faults are checked per request, in this order of precedence: down, drop, lose reply, fail.
 Every request that reaches the proxy is recorded in ``requests`` as ``(method, path_and_query,
@@ -21,6 +22,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlsplit
 
 from tests.support.lifecycle import StartStop
@@ -137,7 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", length or str(len(payload)))
             self.end_headers()
             if self.command != "HEAD":
-                self.wfile.write(payload)
+                proxy._send(self.wfile, payload)
         except OSError:
             # The upstream went away mid-request: let the client see a dropped connection.
             self.close_connection = True
@@ -163,6 +165,9 @@ class FaultProxy(StartStop):
         self._drop_count = 0
         self._lose_reply_count = 0
         self._down = False
+        self._rate: float | None = None  # bytes/s of answers' bodies, every connection together
+        self._next_free = 0.0
+        self._rate_lock = threading.Lock()
         self._port: int | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -236,6 +241,31 @@ class FaultProxy(StartStop):
         with self._lock:
             self._down = False
         self.start()
+
+    def throttle(self, bytes_per_second: float | None) -> None:
+        """Send answers' bodies (what readers download) at most this fast, every connection
+        together, as a remote store's bandwidth would; ``None``: as fast as they come."""
+        with self._rate_lock:
+            self._rate = bytes_per_second
+            self._next_free = time.monotonic()
+
+    def _send(self, out: Any, payload: bytes) -> None:
+        piece = 64 * 1024
+        view = memoryview(payload)
+        for at in range(0, len(view), piece):
+            part = view[at : at + piece]
+            with self._rate_lock:
+                rate = self._rate
+                if rate is not None:
+                    # Each piece books the line for its own time, after every piece before it.
+                    start = max(time.monotonic(), self._next_free)
+                    self._next_free = start + len(part) / rate
+                    due = self._next_free
+            if rate is not None:
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            out.write(part)
 
     def heal(self) -> None:
         """Clear every pending fault (but not ``go_down``; use ``go_up`` for that)."""

@@ -1060,12 +1060,19 @@ class WorkloadStatus(_message.Message):
     LAST_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_AT_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    WARM_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     last_checkpoint_id: _builtins.str
     """unset: none committed"""
     last_checkpoint_age_seconds: _builtins.float
     @_builtins.property
     def last_checkpoint_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def warm(self) -> Global___CacheWarmth:
+        """How much of that checkpoint this node's chunk cache holds; unset: no checkpoint, no
+        cache, or the store could not be asked.
+        """
+
     def __init__(
         self,
         *,
@@ -1073,10 +1080,11 @@ class WorkloadStatus(_message.Message):
         last_checkpoint_id: _builtins.str | None = ...,
         last_checkpoint_at: _timestamp_pb2.Timestamp | None = ...,
         last_checkpoint_age_seconds: _builtins.float | None = ...,
+        warm: Global___CacheWarmth | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_checkpoint_age_seconds", b"_last_checkpoint_age_seconds", "_last_checkpoint_id", b"_last_checkpoint_id", "last_checkpoint_age_seconds", b"last_checkpoint_age_seconds", "last_checkpoint_at", b"last_checkpoint_at", "last_checkpoint_id", b"last_checkpoint_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_checkpoint_age_seconds", b"_last_checkpoint_age_seconds", "_last_checkpoint_id", b"_last_checkpoint_id", "last_checkpoint_age_seconds", b"last_checkpoint_age_seconds", "last_checkpoint_at", b"last_checkpoint_at", "last_checkpoint_id", b"last_checkpoint_id", "warm", b"warm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_checkpoint_age_seconds", b"_last_checkpoint_age_seconds", "_last_checkpoint_id", b"_last_checkpoint_id", "last_checkpoint_age_seconds", b"last_checkpoint_age_seconds", "last_checkpoint_at", b"last_checkpoint_at", "last_checkpoint_id", b"last_checkpoint_id", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_checkpoint_age_seconds", b"_last_checkpoint_age_seconds", "_last_checkpoint_id", b"_last_checkpoint_id", "last_checkpoint_age_seconds", b"last_checkpoint_age_seconds", "last_checkpoint_at", b"last_checkpoint_at", "last_checkpoint_id", b"last_checkpoint_id", "name", b"name", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_checkpoint_age_seconds: _TypeAlias = _typing.Literal["last_checkpoint_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_checkpoint_age_seconds: _TypeAlias = _typing.Literal["_last_checkpoint_age_seconds", b"_last_checkpoint_age_seconds"]  # noqa: Y015
@@ -1088,6 +1096,41 @@ class WorkloadStatus(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_checkpoint_id) -> _WhichOneofReturnType__last_checkpoint_id | None: ...
 
 Global___WorkloadStatus: _TypeAlias = WorkloadStatus  # noqa: Y015
+
+@_typing.final
+class CacheWarmth(_message.Message):
+    """Of what a restore of one checkpoint would fetch (each distinct chunk once, all-zero
+    chunks not at all), how much the node's chunk cache holds (docs/api.md).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    BYTES_WARM_FIELD_NUMBER: _builtins.int
+    BYTES_TOTAL_FIELD_NUMBER: _builtins.int
+    FRACTION_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    bytes_warm: _builtins.int
+    """chunk bytes held here"""
+    bytes_total: _builtins.int
+    """chunk bytes a restore would fetch"""
+    fraction: _builtins.float
+    """bytes_warm / bytes_total (1 when there is nothing to fetch)"""
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        bytes_warm: _builtins.int = ...,
+        bytes_total: _builtins.int = ...,
+        fraction: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_total", b"bytes_total", "bytes_warm", b"bytes_warm", "checkpoint_id", b"checkpoint_id", "fraction", b"fraction"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheWarmth: _TypeAlias = CacheWarmth  # noqa: Y015
 
 @_typing.final
 class TriggersStatusRequest(_message.Message):
