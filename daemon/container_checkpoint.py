@@ -143,7 +143,8 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
 
     staging = node.dirs.job_staging(ctx.job_id)
     dest = staging / "container"
-    gpu_memory = MemoryUploads(store)
+    seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
+    gpu_memory = MemoryUploads(store, seed_cache=seed)
     streamer: PartsStreamer | None = None
     try:
         ctx.phase(Phase.FREEZE_GPU)
@@ -156,7 +157,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
         # A first checkpoint uploads everything: overlap that with the runtime's export.
         arrivals = Arrivals() if parent is None and node.config.daemon.upload_during_dump else None
         if arrivals is not None:
-            streamer = PartsStreamer(store, dest, arrivals, compress=plan.compress)
+            streamer = PartsStreamer(store, dest, arrivals, compress=plan.compress, seed_cache=seed)
             streamer.start()
         try:
             parts = rt.checkpoint(
@@ -223,6 +224,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
                 uploaded_streams=merged(
                     gpu_memory.uploaded, streamer.finish() if streamer is not None else None
                 ),
+                seed_cache=seed,
             )
         except GpusnapError as err:
             if not plan.leave_running:

@@ -36,9 +36,16 @@ class PartsStreamer:
     """Streams the large files of ``directory`` into the store as ``arrivals`` announces them."""
 
     def __init__(
-        self, store: CheckpointStore, directory: Path, arrivals: Arrivals, *, compress: bool | None
+        self,
+        store: CheckpointStore,
+        directory: Path,
+        arrivals: Arrivals,
+        *,
+        compress: bool | None,
+        seed_cache: bool = False,
     ) -> None:
         self._store = store
+        self._seed_cache = seed_cache
         self._dir = directory
         self._arrivals = arrivals
         self._compress = compress
@@ -89,6 +96,7 @@ class PartsStreamer:
                     stop=self._abort.is_set,
                     kind=KIND,
                     compress=self._compress,
+                    seed_cache=self._seed_cache,
                 )
                 self._result.merge(uploaded)
         except Exception as exc:  # reported by finish(); the push then reads the files

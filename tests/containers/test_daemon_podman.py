@@ -132,6 +132,9 @@ def test_leave_running_keeps_serving_and_a_second_checkpoint_uploads_only_what_c
         first = cli_json(a, "checkpoint", "--container", name, "--leave-running", "--wait")
         assert first["leave_running"] is True and first["parent"] is None
         assert node_a.podman.inspect(name).pids == before.pids  # the same processes, running
+        # What went up stays in node a's chunk cache ([cache] seed, on by default).
+        held = cli_json(a, "cache", "stats", "--cache-dir", str(a.state_dir / "cache"))
+        assert held["bytes"] >= 0.9 * first["bytes_uploaded"], (held, first["bytes_uploaded"])
         wait_lines(out, 100)
         second = cli_json(a, "checkpoint", "--container", name, "--leave-running", "--wait")
         assert second["parent"] == first["checkpoint_id"]
