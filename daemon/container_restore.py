@@ -21,10 +21,12 @@ from gpusnap.daemon.gpu_memory import committed_source
 from gpusnap.daemon.host import coldstart
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
+from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import AlreadyExists, Corrupt, GpusnapError, NotFound, with_message
 from gpusnap.storage import Manifest
+from gpusnap.storage.pull import PullStats
 from gpusnap.storage.streams import GPU_MEMORY_KIND
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ def run_container_restore(
             direct=False,
             durable=False,
         )
+        METRICS.observe_fetch("restore", fetched=pulled.bytes_fetched, cached=pulled.bytes_cached)
         parts = load_parts(dest)
         if parts.container.id != recorded.id:
             raise Corrupt(
@@ -71,15 +74,21 @@ def run_container_restore(
         restore_seconds = time.monotonic() - t0
         ctx.phase(Phase.RESTORE_GPU)
         gpu_stamp = stamp.get("gpu")
-        node.gpu.restore(
-            list(info.pids),
-            remap_gpu_stamp(
-                gpu_stamp if isinstance(gpu_stamp, dict) else {},
-                recorded_ns_pids(stamp),
-                ns_pids(info.pids),
-            ),
-            source=committed_source(store, manifest),
-        )
+        streamed = PullStats()  # device memory read back through custom storage, if any
+        try:
+            node.gpu.restore(
+                list(info.pids),
+                remap_gpu_stamp(
+                    gpu_stamp if isinstance(gpu_stamp, dict) else {},
+                    recorded_ns_pids(stamp),
+                    ns_pids(info.pids),
+                ),
+                source=committed_source(store, manifest, streamed),
+            )
+        finally:
+            METRICS.observe_fetch(
+                "restore", fetched=streamed.bytes_fetched, cached=streamed.bytes_cached
+            )
         ctx.result(
             mode="restored",
             pids=list(info.pids),
@@ -87,8 +96,11 @@ def run_container_restore(
             container=info.summary(),
             prepare_seconds=round(prepare, 6),
             fetch_seconds=round(pulled.seconds, 6),
-            bytes_fetched=pulled.bytes_fetched,
-            bytes_total=pulled.bytes_total,
+            # The parts and the device memory streams: from the store, from the node's chunk
+            # cache instead, and their logical size (as a process tree's restore).
+            bytes_fetched=pulled.bytes_fetched + streamed.bytes_fetched,
+            bytes_cached=pulled.bytes_cached + streamed.bytes_cached,
+            bytes_total=pulled.bytes_total + streamed.bytes_total,
             restore_seconds=round(restore_seconds, 6),
             seconds=round(time.time() - job_started, 6),
         )

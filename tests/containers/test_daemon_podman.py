@@ -109,7 +109,9 @@ def test_a_container_restores_on_another_node_into_its_own_storage_bit_exactly(
         assert there.running and restored["pids"] == list(there.pids)
         assert restored["container"] == there.summary()
         assert wait_done(out) == expected
-        # The rw layer came along: the log written before the checkpoint, continued after it.
+        # The rw layer came along: the log written before the checkpoint, continued after it
+        # (read once the container has exited: a podman cp during its exit once found nothing).
+        wait_exited(node_b, name)
         assert rw_log(node_b, name, tmp_path / "log") == expected.removesuffix(b"done\n")
     finally:
         node_a.podman.remove(name)
@@ -165,6 +167,8 @@ def test_leave_running_keeps_serving_and_a_second_checkpoint_uploads_only_what_c
         # (run after the original: two writers of one file would interleave their truncations).
         copy = cli_json(b, "restore", first["checkpoint_id"], "--name", f"{name}-copy", "--wait")
         assert copy["mode"] == "restored" and copy["container"]["name"] == f"{name}-copy"
+        # Node b never held any of it: all from the store, none from its (empty) cache.
+        assert copy["bytes_cached"] == 0 and copy["bytes_fetched"] > 0, copy
         wait_exited(node_b, f"{name}-copy")
         assert wait_done(out) == expected
     finally:

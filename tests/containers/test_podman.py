@@ -32,6 +32,7 @@ from tests.containers.conftest import (
     rw_log,
     unique,
     wait_done,
+    wait_exited,
     wait_lines,
 )
 
@@ -97,7 +98,9 @@ def test_restore_into_another_storage_root_continues_bit_exactly(
         assert restored.running and restored.runtime == "podman"
         assert restored.spec.image_id == parts.container.spec.image_id
         assert wait_done(out) == expected
-        # The rw layer came along: the log written before the checkpoint, continued after it.
+        # The rw layer came along: the log written before the checkpoint, continued after it
+        # (read once the container has exited: a podman cp during its exit once found nothing).
+        wait_exited(node_b, name)
         assert rw_log(node_b, name, tmp_path / "log") == expected.removesuffix(b"done\n")
     finally:
         node_a.podman.remove(name)
