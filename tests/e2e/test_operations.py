@@ -61,6 +61,7 @@ def test_status_workloads_and_metrics_show_the_last_good_checkpoint_and_its_age(
             "last_checkpoint_id": None,
             "last_checkpoint_at": None,
             "last_checkpoint_age_seconds": None,
+            "warm": None,  # no checkpoint yet: nothing to be warm of
         }
     ]
     caps = status["capabilities"]
@@ -77,6 +78,8 @@ def test_status_workloads_and_metrics_show_the_last_good_checkpoint_and_its_age(
     (entry,) = after["workloads"]
     assert entry["last_checkpoint_id"] == checkpoint_id
     assert 0 <= entry["last_checkpoint_age_seconds"] < HANG_GUARD
+    # What this node pushed its chunk cache holds ([cache] seed): all of it warm here.
+    assert entry["warm"]["checkpoint_id"] == checkpoint_id and entry["warm"]["fraction"] == 1.0
     listed = node.cli("workloads", "--json")
     assert listed.rc == 0, listed.stderr
     (wl,) = listed.json["workloads"]
@@ -231,7 +234,9 @@ def test_cancel_of_a_running_restore_stops_it_before_any_process_is_restored(
     nodes: Nodes, moto_server: MotoServer, s3_bucket: str, tmp_path: Path, started: Started
 ) -> None:
     w = started(workloads.start_counter(tmp_path / "run", steps=0), steps=3)
-    with _s3_node(nodes, moto_server, s3_bucket, "a") as (node, proxy):
+    # Without [cache] seed the checkpoint is not in this node's cache: the restore must fetch.
+    no_seed = "[cache]\nseed = false\n"
+    with _s3_node(nodes, moto_server, s3_bucket, "a", extra_config=no_seed) as (node, proxy):
         ck = node.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
         assert ck.rc == 0, ck.stderr + node.log()
         w.reap()  # kill mode: gone, its pid free for a restore
