@@ -243,7 +243,8 @@ def checkpoint(pid: int) -> None:
     _check("checkpoint", pid, cu.cuCheckpointProcessCheckpoint(pid, None))
 
 
-def _restore_args(gpu_pairs: list[list[str]] | None) -> Any:
+def restore_args(gpu_pairs: list[list[str]] | None) -> Any:
+    """The CUcheckpointRestoreArgs naming ``gpu_pairs`` (old/new UUIDs), none if none."""
     args = cu.CUcheckpointRestoreArgs()
     if gpu_pairs:
         pairs = []
@@ -259,7 +260,7 @@ def _restore_args(gpu_pairs: list[list[str]] | None) -> Any:
 
 def restore(pid: int, gpu_pairs: list[list[str]] | None) -> None:
     """CHECKPOINTED -> LOCKED, optionally onto other GPUs (pairs of old/new UUIDs)."""
-    args = _restore_args(gpu_pairs) if gpu_pairs else None
+    args = restore_args(gpu_pairs) if gpu_pairs else None
     _check("restore", pid, cu.cuCheckpointProcessRestore(pid, args))
 
 
@@ -370,7 +371,7 @@ def restore_custom_storage(pid: int, gpu_pairs: list[list[str]] | None) -> dict[
     """CHECKPOINTED -> RESTORING with the memory to fill mapped onto this process's GPUs."""
 
     def start(out: int) -> Any:
-        args = _restore_args(gpu_pairs)
+        args = restore_args(gpu_pairs)
         args.customStorageInfo_out = out
         return cu.cuCheckpointProcessRestore(pid, args)
 

@@ -131,8 +131,7 @@ class GpuWorker:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+            _close_pipes(proc)
 
     # -- calls -----------------------------------------------------------------------
 

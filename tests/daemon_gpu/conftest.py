@@ -12,6 +12,7 @@ import pytest
 
 from gpusnap.daemon.config import Config, parse_config
 from gpusnap.daemon.gpu import GpuCoordinator
+from gpusnap.errors import InvalidArgument
 from tests.e2e.conftest import started  # noqa: F401 - fixture
 from tests.fakes.fixtures import FakeNode, fake_nodes, lib, spawn  # noqa: F401 - fixtures
 from tests.fakes.libcuda import ROOT_ENV
@@ -30,6 +31,13 @@ verify = false
 {extra}
 """
     return parse_config(tomllib.loads(text))
+
+
+def config_error(tmp_path: Path, extra: str) -> str:
+    """The message of the InvalidArgument that ``parse_with(tmp_path, extra)`` raises."""
+    with pytest.raises(InvalidArgument) as caught:
+        parse_with(tmp_path, extra)
+    return str(caught.value)
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.config import GpuSection
-from gpusnap.errors import InvalidArgument
-from tests.daemon_gpu.conftest import parse_with
+from tests.daemon_gpu.conftest import config_error, parse_with
 
 
 def _gpu(tmp_path: Path, keys: str) -> GpuSection:
@@ -32,6 +31,5 @@ def test_the_gpu_section_takes_a_copy_rate_and_a_version_file(tmp_path: Path) ->
     ],
 )
 def test_a_bad_gpu_key_is_a_config_error_naming_it(tmp_path: Path, keys: str, says: str) -> None:
-    with pytest.raises(InvalidArgument) as caught:
-        _gpu(tmp_path, keys)
-    assert says in str(caught.value) and "[gpu]" in str(caught.value)
+    message = config_error(tmp_path, f"[gpu]\n{keys}")
+    assert says in message and "[gpu]" in message

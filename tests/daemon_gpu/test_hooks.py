@@ -10,13 +10,17 @@ import pytest
 from gpusnap.daemon.hooks import JobHooks, run_hook
 from gpusnap.daemon.hooks_config import Hook, WorkloadHooks
 from gpusnap.daemon.host import proctree
-from gpusnap.errors import FailedPrecondition, InvalidArgument
-from tests.daemon_gpu.conftest import parse_with
+from gpusnap.errors import FailedPrecondition
+from tests.daemon_gpu.conftest import config_error, parse_with
 from tests.fakes.libcuda import wait_for
 
 
+def _workload(hooks: str) -> str:
+    return f'[[workload]]\nname = "llm"\nhooks = {hooks}'
+
+
 def _config(tmp_path: Path, hooks: str) -> Any:
-    return parse_with(tmp_path, f'[[workload]]\nname = "llm"\nhooks = {hooks}')
+    return parse_with(tmp_path, _workload(hooks))
 
 
 def test_hooks_are_commands_or_tables_with_their_own_deadline(tmp_path: Path) -> None:
@@ -46,9 +50,8 @@ def test_hooks_are_commands_or_tables_with_their_own_deadline(tmp_path: Path) ->
     ],
 )
 def test_a_bad_hook_is_a_config_error_naming_the_key(tmp_path: Path, hooks: str, says: str) -> None:
-    with pytest.raises(InvalidArgument) as caught:
-        _config(tmp_path, hooks)
-    assert says in str(caught.value) and "[[workload]]" in str(caught.value)
+    message = config_error(tmp_path, _workload(hooks))
+    assert says in message and "[[workload]]" in message
 
 
 def test_a_hook_past_its_deadline_is_killed_with_its_children(tmp_path: Path) -> None:

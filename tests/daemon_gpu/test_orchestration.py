@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
+from gpusnap.daemon.gpu.worker import GpuWorker
 from gpusnap.errors import DeadlineExceeded, FailedPrecondition, Internal, Unsupported
 from tests.daemon_gpu.conftest import Coordinators
 from tests.fakes.fixtures import FakeNode
@@ -391,34 +392,43 @@ def test_a_remap_on_a_driver_without_gpu_pairs_is_unsupported(
     assert node.state(p.pid) == "CHECKPOINTED"
 
 
-def test_a_worker_killed_during_a_call_fails_that_call_and_is_replaced(
-    one_process: tuple[FakeNode, CudaProcess], coordinators: Coordinators
-) -> None:
+OneWorker = tuple[FakeNode, CudaProcess, GpuWorker, int]
+
+
+@pytest.fixture
+def one_worker(one_process: tuple[FakeNode, CudaProcess], coordinators: Coordinators) -> OneWorker:
+    """``one_process``, the GPU worker of a coordinator on that node and the worker's pid."""
     node, p = one_process
     worker = coordinators(node)._worker
-    old = worker.pid
-    assert old is not None
+    assert worker.pid is not None
+    return node, p, worker, worker.pid
+
+
+def _answers_from_a_new_worker(worker: GpuWorker, old: int, p: CudaProcess) -> None:
+    assert worker.call("get_state", p.pid) == "RUNNING"  # nothing was lost
+    assert worker.pid != old
+
+
+def test_a_worker_killed_during_a_call_fails_that_call_and_is_replaced(
+    one_worker: OneWorker,
+) -> None:
+    node, p, worker, old = one_worker
     held = node.fault("cuCheckpointProcessGetState", pid=p.pid, hold=True)
     pending = worker.begin("get_state", p.pid)
     held.wait_claimed("the worker's call")
     os.kill(old, signal.SIGKILL)
     with pytest.raises(Internal, match="GPU worker died during"):
         pending.result()
-    assert worker.call("get_state", p.pid) == "RUNNING"
-    assert worker.pid != old
+    _answers_from_a_new_worker(worker, old, p)
 
 
 def test_a_worker_that_died_between_calls_is_replaced_by_the_next_call(
-    one_process: tuple[FakeNode, CudaProcess], coordinators: Coordinators
+    one_worker: OneWorker,
 ) -> None:
-    node, p = one_process
-    worker = coordinators(node)._worker
-    old = worker.pid
-    assert old is not None
+    _, p, worker, old = one_worker
     os.kill(old, signal.SIGKILL)
     wait_for(lambda: _is_zombie(old), "the worker to exit")  # exited, not yet reaped
-    assert worker.call("get_state", p.pid) == "RUNNING"  # nothing was lost
-    assert worker.pid != old
+    _answers_from_a_new_worker(worker, old, p)
 
 
 def _is_zombie(pid: int) -> bool:

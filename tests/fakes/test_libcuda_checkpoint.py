@@ -16,23 +16,16 @@ import pytest
 
 from tests.fakes import libcuda
 from tests.fakes.libcuda import (
-    A0,
-    B0,
-    B1,
-    GIB,
-    MIB,
     Spawn,
     add_fault,
     checkpoint,
     control,
     err,
     free_memory,
-    gpu,
     ok,
-    one_gpu_node,
     wait_for,
-    write_node,
 )
+from tests.fakes.libcuda.nodes import A0, B0, B1, GIB, MIB, gpu, one_gpu_node, write_node
 
 
 def main_thread_syscall(pid: int) -> str:

@@ -50,18 +50,14 @@ def test_criu_dumps_a_checkpointed_process_and_it_comes_back_on_another_node_byt
     maps = Path(f"/proc/{p.pid}/maps").read_text()
     assert not [h for h in held if h.startswith(str(root_a))] and str(root_a) not in maps
 
-    dumped = criu.dump(
-        p.pid, tmp_path / "images", leave_running=False, log_path=tmp_path / "dump.log"
-    )
+    images = tmp_path / "images"
+    dumped = criu.dump(p.pid, images, leave_running=False, log_path=tmp_path / "dump.log")
     assert p.proc.wait(60) == -9  # kill mode: CRIU killed it once dumped
     p.reaped()
     assert dumped.images_bytes > 7 * MIB  # the device bytes travel as ordinary pages
     shutil.rmtree(root_a)  # the node is gone
     restored = criu.restore(
-        tmp_path / "images",
-        log_path=tmp_path / "restore.log",
-        pidfile=tmp_path / "pid",
-        sibling=True,
+        images, log_path=tmp_path / "restore.log", pidfile=tmp_path / "pid", sibling=True
     )
     assert restored.pid == p.pid
     assert p.threads() == threads  # the restore thread and the stream's came back with it

@@ -8,21 +8,8 @@ import random
 from pathlib import Path
 
 from tests.fakes import libcuda
-from tests.fakes.libcuda import (
-    A0,
-    B0,
-    B1,
-    GIB,
-    MIB,
-    Spawn,
-    control,
-    err,
-    free_memory,
-    gpu,
-    ok,
-    wait_for,
-    write_node,
-)
+from tests.fakes.libcuda import Spawn, control, err, free_memory, ok, wait_for
+from tests.fakes.libcuda.nodes import A0, B0, B1, GIB, MIB, gpu, write_node
 
 # -- custom storage (CUDA 13.4) ----------------------------------------------------------------
 

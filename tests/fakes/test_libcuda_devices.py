@@ -11,19 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import libcuda
-from tests.fakes.libcuda import (
-    B0,
-    GIB,
-    MIB,
-    Spawn,
-    control,
-    err,
-    free_memory,
-    gpu,
-    ok,
-    one_gpu_node,
-    write_node,
-)
+from tests.fakes.libcuda import Spawn, control, err, free_memory, ok
+from tests.fakes.libcuda.nodes import B0, GIB, MIB, gpu, one_gpu_node, write_node
 
 # -- devices ---------------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ build directory first on ``LD_LIBRARY_PATH`` and name a node in ``GPUSNAP_FAKE_C
 (``env``). A node is a directory with ``node.json`` (``write_node``); every process started
 with one root sees the same GPUs and shares their memory, two roots are two nodes.
 
+- ``nodes``: what a node holds (``gpu``, ``write_node``, ``one_gpu_node``, the UUIDs ``A0``,
+  ``B0``, ``B1``, the sizes ``GIB``, ``MIB``); its names are importable from here too.
 - ``build(out_dir)``: ``make -C tests/fakes/libcuda OUT=out_dir``; returns ``out_dir``.
 - ``CudaProcess.start(...)``: a CUDA process (``target.py``) holding device memory with
   known content; it answers commands through files, so CRIU can dump and restore it.
@@ -30,10 +32,50 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.fakes.libcuda.nodes import (
+    A0,
+    B0,
+    B1,
+    GIB,
+    MIB,
+    VERSION_FILE,
+    gpu,
+    nvrm_line,
+    one_gpu_node,
+    write_node,
+)
+
+# The names tests use, also those of nodes.py (what a node holds), imported here for them.
+__all__ = [
+    "A0",
+    "B0",
+    "B1",
+    "GIB",
+    "HERE",
+    "MIB",
+    "ROOT_ENV",
+    "TIMEOUT",
+    "VERSION_FILE",
+    "CudaProcess",
+    "Fault",
+    "Spawn",
+    "add_fault",
+    "build",
+    "checkpoint",
+    "control",
+    "env",
+    "err",
+    "free_memory",
+    "gpu",
+    "nvrm_line",
+    "ok",
+    "one_gpu_node",
+    "wait_for",
+    "write_node",
+]
+
 HERE = Path(__file__).resolve().parent
 ROOT_ENV = "GPUSNAP_FAKE_CUDA_ROOT"
-GIB = 2**30
-MIB = 2**20
 TIMEOUT = 120.0  # hang guard only, never a performance expectation
 
 
@@ -48,72 +90,6 @@ def build(out_dir: Path) -> Path:
         [make, "-s", "-C", str(HERE), f"OUT={out_dir}"], check=True, capture_output=True, text=True
     )
     return out_dir
-
-
-def gpu(
-    index: int,
-    *,
-    uuid: str | None = None,
-    name: str = "NVIDIA H200",
-    total_memory: int = 141 * GIB,
-    compute_capability: tuple[int, int] = (9, 0),
-) -> dict[str, Any]:
-    """One ``gpus`` entry of node.json."""
-    return {
-        "uuid": uuid or f"GPU-{index:08x}-0000-4000-8000-{index:012x}",
-        "name": name,
-        "total_memory": total_memory,
-        "compute_capability": list(compute_capability),
-        "pci_bus_id": f"0000:{0x19 + index:02x}:00.0",
-    }
-
-
-# GPU UUIDs tests give the GPUs of a first node ("a", gpu(i)'s default) and of a second one.
-A0 = "GPU-00000000-0000-4000-8000-000000000000"
-B0, B1 = "GPU-b0b0b0b0-0000-4000-8000-00000000000b", "GPU-b1b1b1b1-0000-4000-8000-00000000000b"
-
-
-VERSION_FILE = "nvidia-version"  # in a node: the kernel module's line, as /proc shows it
-
-
-def nvrm_line(version: str) -> str:
-    """The first line of /proc/driver/nvidia/version for driver ``version`` (open module)."""
-    return (
-        f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build  "
-        "(dvs-builder@U16-I2-C03-12-4)  Thu Sep 25 2025"
-    )
-
-
-def write_node(
-    root: Path,
-    gpus: list[dict[str, Any]],
-    *,
-    driver_version: int = 13000,
-    driver_version_string: str = "580.95.05",
-    custom_storage: bool = False,
-    copy_gbps: float = 20.0,
-    **extra: Any,
-) -> Path:
-    """Create (or rewrite) the node directory ``root``; returns it.
-
-    Also writes ``root/nvidia-version`` (``VERSION_FILE``), the kernel module's version line
-    as /proc/driver/nvidia/version gives it on a real node: no driver call returns that
-    version, so a daemon on this node is pointed at the file (``[gpu] nvidia_version_file``).
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    (root / VERSION_FILE).write_text(
-        nvrm_line(driver_version_string) + "\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
-    )
-    doc = {
-        "driver_version": driver_version,
-        "driver_version_string": driver_version_string,
-        "custom_storage": custom_storage,
-        "copy_gbps": copy_gbps,
-        "gpus": gpus,
-        **extra,
-    }
-    (root / "node.json").write_text(json.dumps(doc, indent=1))
-    return root
 
 
 def add_fault(
@@ -169,11 +145,6 @@ class Fault:
         """Let a call held by ``until`` go on."""
         assert self.until is not None
         self.until.touch()
-
-
-def one_gpu_node(tmp_path: Path, **kw: Any) -> Path:
-    """``tmp_path/node-a``: one default H200 (UUID ``A0``)."""
-    return write_node(tmp_path / "node-a", [gpu(0)], **kw)
 
 
 def env(lib_dir: Path, root: Path | None, **extra: str) -> dict[str, str]:

@@ -254,12 +254,15 @@ static int zeroed(const void *p, size_t n) {
     return 1;
 }
 
+/* locate, for a query whose out argument must not be NULL (checked first). */
+static CUresult locate_for(int pid, const void *out, struct target *t, struct mailbox *hdr) {
+    return out ? locate(pid, t, hdr) : CUDA_ERROR_INVALID_VALUE;
+}
+
 static CUresult CheckpointProcessGetState_impl(int pid, CUprocessState *state) {
     struct target t;
     struct mailbox hdr;
-    if (!state)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = locate(pid, &t, &hdr);
+    CUresult r = locate_for(pid, state, &t, &hdr);
     if (r == CUDA_SUCCESS)
         *state = hdr.state;
     return r;
@@ -268,9 +271,7 @@ static CUresult CheckpointProcessGetState_impl(int pid, CUprocessState *state) {
 static CUresult CheckpointProcessGetRestoreThreadId_impl(int pid, int *tid) {
     struct target t;
     struct mailbox hdr;
-    if (!tid)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = locate(pid, &t, &hdr);
+    CUresult r = locate_for(pid, tid, &t, &hdr);
     if (r == CUDA_SUCCESS && !hdr.has_context)
         r = CUDA_ERROR_NOT_INITIALIZED;
     if (r == CUDA_SUCCESS && (*tid = host_tid(t.tgid, hdr.tid)) < 0)
@@ -472,31 +473,19 @@ static CUresult CheckpointOperationComplete_impl(CUcheckpointOperationHandle han
     return r;
 }
 
-/* The exported entry points: the calls above, under the fault knob (faults.c). */
+/* The exported entry points: the calls above, under the fault knob (faults.c). Each
+ * CHECKPOINT_ENTRY(name, type) defines cu<name>(int pid, type arg) as name##_impl(pid, arg). */
+#define CHECKPOINT_ENTRY(name, arg_type)                                                           \
+    EXPORT CUresult cu##name(int pid, arg_type arg) {                                              \
+        FAULTED("cu" #name, pid, name##_impl(pid, arg));                                           \
+    }
 
-EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state) {
-    FAULTED("cuCheckpointProcessGetState", pid, CheckpointProcessGetState_impl(pid, state));
-}
-
-EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
-    FAULTED("cuCheckpointProcessGetRestoreThreadId", pid, CheckpointProcessGetRestoreThreadId_impl(pid, tid));
-}
-
-EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
-    FAULTED("cuCheckpointProcessLock", pid, CheckpointProcessLock_impl(pid, args));
-}
-
-EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
-    FAULTED("cuCheckpointProcessUnlock", pid, CheckpointProcessUnlock_impl(pid, args));
-}
-
-EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
-    FAULTED("cuCheckpointProcessCheckpoint", pid, CheckpointProcessCheckpoint_impl(pid, args));
-}
-
-EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
-    FAULTED("cuCheckpointProcessRestore", pid, CheckpointProcessRestore_impl(pid, args));
-}
+CHECKPOINT_ENTRY(CheckpointProcessGetState, CUprocessState *)
+CHECKPOINT_ENTRY(CheckpointProcessGetRestoreThreadId, int *)
+CHECKPOINT_ENTRY(CheckpointProcessLock, CUcheckpointLockArgs *)
+CHECKPOINT_ENTRY(CheckpointProcessUnlock, CUcheckpointUnlockArgs *)
+CHECKPOINT_ENTRY(CheckpointProcessCheckpoint, CUcheckpointCheckpointArgs *)
+CHECKPOINT_ENTRY(CheckpointProcessRestore, CUcheckpointRestoreArgs *)
 
 EXPORT CUresult cuCheckpointOperationComplete(CUcheckpointOperationHandle handle) {
     FAULTED("cuCheckpointOperationComplete", 0, CheckpointOperationComplete_impl(handle));

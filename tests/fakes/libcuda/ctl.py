@@ -22,20 +22,12 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
+from gpusnap.daemon.gpu.driver import restore_args
+from tests.fakes.libcuda.cucheck import CudaError, check
+
 STATES: dict[int, str] = {
     int(s): s.name.removeprefix("CU_PROCESS_STATE_") for s in cu.CUprocessState
 }
-
-
-class CudaError(Exception):
-    pass
-
-
-def check(result: Any) -> Any:
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise CudaError(cu.CUresult(err).name)
-    return values[0] if len(values) == 1 else tuple(values) if values else None
 
 
 class PerDevice(ctypes.Structure):
@@ -52,12 +44,6 @@ class StorageInfo(ctypes.Structure):
 
 def uuid_text(raw: bytes) -> str:
     return "GPU-" + str(uuidlib.UUID(bytes=bytes(raw[:16])))
-
-
-def uuid_struct(text: str) -> Any:
-    value = cu.CUuuid()
-    ctypes.memmove(value.getPtr(), uuidlib.UUID(text.removeprefix("GPU-")).bytes, 16)
-    return value
 
 
 class Ctl:
@@ -125,21 +111,8 @@ class Ctl:
     def checkpoint(self, pid: int) -> None:
         check(cu.cuCheckpointProcessCheckpoint(pid, None))
 
-    def _restore_args(self, pairs: list[list[str]] | None) -> Any:
-        args = cu.CUcheckpointRestoreArgs()
-        if pairs:
-            structs = []
-            for old, new in pairs:
-                pair = cu.CUcheckpointGpuPair()
-                pair.oldUuid = uuid_struct(old)
-                pair.newUuid = uuid_struct(new)
-                structs.append(pair)
-            args.gpuPairs = structs
-            args.gpuPairsCount = len(structs)
-        return args
-
     def restore(self, pid: int, pairs: list[list[str]] | None) -> None:
-        check(cu.cuCheckpointProcessRestore(pid, self._restore_args(pairs) if pairs else None))
+        check(cu.cuCheckpointProcessRestore(pid, restore_args(pairs) if pairs else None))
 
     def unlock(self, pid: int) -> None:
         check(cu.cuCheckpointProcessUnlock(pid, None))
@@ -190,7 +163,7 @@ class Ctl:
     ) -> list[dict[str, Any]]:
         """Custom-storage restore: fill each mapped range from the file of its old GPU."""
         info_ptr = ctypes.c_void_p(0)
-        args = self._restore_args(pairs)
+        args = restore_args(pairs)
         args.customStorageInfo_out = ctypes.addressof(info_ptr)
         check(cu.cuCheckpointProcessRestore(pid, args))
         handle, mapped = self._mapped(info_ptr)

@@ -223,6 +223,7 @@ extern struct fake G;
 
 /* runtime.c */
 CUresult ready(void);
+CUresult ready_args(int args_ok); /* ready, then INVALID_VALUE unless args_ok */
 CUresult gate_enter(void);
 void gate_exit(void);
 struct fake_ctx *current_ctx(void);
@@ -264,6 +265,7 @@ void streams_of_ctx_drop(struct fake_ctx *ctx);
 CUresult stream_sync(struct fake_stream *s);
 CUresult enqueue(struct fake_stream *s, const struct op *op);
 CUresult resolve(CUstream h, struct fake_stream **out);
+CUresult stream_lookup(CUstream h, struct fake_stream **out); /* resolve under G.mu */
 void wait_blocking_streams(struct fake_ctx *ctx);
 CUresult stream_create_in(struct fake_ctx *ctx, unsigned int flags, struct fake_stream **out);
 int stream_destroy(struct fake_stream *s);

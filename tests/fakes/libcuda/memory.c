@@ -190,13 +190,8 @@ static CUresult transfer(int kind, uintptr_t dst, uintptr_t src, size_t n, unsig
     struct fake_stream *s = NULL;
     if ((r = need_ctx(&ctx)) != CUDA_SUCCESS)
         goto out;
-    if (async) {
-        pthread_mutex_lock(&G.mu);
-        r = resolve(h, &s);
-        pthread_mutex_unlock(&G.mu);
-        if (r != CUDA_SUCCESS)
-            goto out;
-    }
+    if (async && (r = stream_lookup(h, &s)) != CUDA_SUCCESS)
+        goto out;
     if (n == 0)
         goto out;
     int dst_dev = kind == H2D || kind == D2D || kind == SET;

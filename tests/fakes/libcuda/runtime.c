@@ -3,6 +3,7 @@
 #include "fake.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -81,6 +82,14 @@ CUresult ready(void) {
     return (G.initialized && !G.forked) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
 }
 
+/* ready(), then INVALID_VALUE where the caller's arguments are unusable (args_ok false). */
+CUresult ready_args(int args_ok) {
+    CUresult r = ready();
+    if (r == CUDA_SUCCESS && !args_ok)
+        r = CUDA_ERROR_INVALID_VALUE;
+    return r;
+}
+
 EXPORT CUresult cuDriverGetVersion(int *version) {
     if (!version)
         return CUDA_ERROR_INVALID_VALUE;
@@ -145,23 +154,25 @@ int ordinal_gpu(int ordinal) {
     return G.visible[ordinal];
 }
 
-static CUresult device_gpu(CUdevice dev, const struct gpu **out) {
+/* The GPU behind dev once the driver is ready and dev names one; then INVALID_VALUE where
+ * the caller's out arguments are unusable (args_ok false): the device is checked first. */
+static CUresult device_gpu(CUdevice dev, int args_ok, const struct gpu **out) {
     CUresult r = ready();
     if (r != CUDA_SUCCESS)
         return r;
     int g = ordinal_gpu(dev);
     if (g < 0)
         return CUDA_ERROR_INVALID_DEVICE;
+    if (!args_ok)
+        return CUDA_ERROR_INVALID_VALUE;
     *out = &G.cfg.gpus[g];
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
-    CUresult r = ready();
+    CUresult r = ready_args(device != NULL);
     if (r != CUDA_SUCCESS)
         return r;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
     if (ordinal_gpu(ordinal) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
@@ -169,35 +180,35 @@ EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
 }
 
 EXPORT CUresult cuDeviceGetCount(int *count) {
-    CUresult r = ready();
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (!count)
-        return CUDA_ERROR_INVALID_VALUE;
-    *count = G.nvisible;
-    return CUDA_SUCCESS;
+    CUresult r = ready_args(count != NULL);
+    if (r == CUDA_SUCCESS)
+        *count = G.nvisible;
+    return r;
+}
+
+/* cuDeviceGetName and cuDeviceGetPCIBusId: one of the GPU's strings, cut to len bytes. */
+static CUresult device_string(CUdevice dev, char *out, int len, size_t field) {
+    const struct gpu *g;
+    CUresult r = device_gpu(dev, out && len > 0, &g);
+    if (r == CUDA_SUCCESS)
+        snprintf(out, (size_t)len, "%s", (const char *)g + field);
+    return r;
 }
 
 EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
-    const struct gpu *g;
-    CUresult r = device_gpu(dev, &g);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (!name || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    snprintf(name, (size_t)len, "%s", g->name);
-    return CUDA_SUCCESS;
+    return device_string(dev, name, len, offsetof(struct gpu, name));
+}
+
+EXPORT CUresult cuDeviceGetPCIBusId(char *pci_bus_id, int len, CUdevice dev) {
+    return device_string(dev, pci_bus_id, len, offsetof(struct gpu, pci_bus_id));
 }
 
 EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
     const struct gpu *g;
-    CUresult r = device_gpu(dev, &g);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (!uuid)
-        return CUDA_ERROR_INVALID_VALUE;
-    memcpy(uuid->bytes, g->uuid, 16);
-    return CUDA_SUCCESS;
+    CUresult r = device_gpu(dev, uuid != NULL, &g);
+    if (r == CUDA_SUCCESS)
+        memcpy(uuid->bytes, g->uuid, 16);
+    return r;
 }
 
 EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
@@ -206,24 +217,10 @@ EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
 
 EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     const struct gpu *g;
-    CUresult r = device_gpu(dev, &g);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (!bytes)
-        return CUDA_ERROR_INVALID_VALUE;
-    *bytes = (size_t)g->total_memory;
-    return CUDA_SUCCESS;
-}
-
-EXPORT CUresult cuDeviceGetPCIBusId(char *pci_bus_id, int len, CUdevice dev) {
-    const struct gpu *g;
-    CUresult r = device_gpu(dev, &g);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (!pci_bus_id || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    snprintf(pci_bus_id, (size_t)len, "%s", g->pci_bus_id);
-    return CUDA_SUCCESS;
+    CUresult r = device_gpu(dev, bytes != NULL, &g);
+    if (r == CUDA_SUCCESS)
+        *bytes = (size_t)g->total_memory;
+    return r;
 }
 
 enum {
@@ -242,11 +239,9 @@ enum {
 
 EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
     const struct gpu *g;
-    CUresult r = device_gpu(dev, &g);
+    CUresult r = device_gpu(dev, pi && attrib > 0 && attrib < ATTR_MAX, &g);
     if (r != CUDA_SUCCESS)
         return r;
-    if (!pi || attrib <= 0 || attrib >= ATTR_MAX)
-        return CUDA_ERROR_INVALID_VALUE;
     switch (attrib) {
     case ATTR_MAX_THREADS_PER_BLOCK: *pi = 1024; break;
     case ATTR_WARP_SIZE: *pi = 32; break;
@@ -321,28 +316,34 @@ struct fake_ctx *current_ctx(void) {
     return t_current;
 }
 
-EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    CUresult r = ready();
+/* Into the API gate, then G.mu, for the primary context of dev; INVALID_DEVICE (holding
+ * neither) where dev names no GPU. */
+static CUresult primary_enter(CUdevice dev, struct fake_ctx **ctx) {
+    CUresult r = gate_enter();
     if (r != CUDA_SUCCESS)
         return r;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
-    r = gate_enter();
-    if (r != CUDA_SUCCESS)
-        return r;
-    int g = ordinal_gpu(dev);
-    if (g < 0) {
+    if (ordinal_gpu(dev) < 0) {
         gate_exit();
         return CUDA_ERROR_INVALID_DEVICE;
     }
     pthread_mutex_lock(&G.mu);
-    struct fake_ctx *ctx = &G.ctx[dev];
+    *ctx = &G.ctx[dev];
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    CUresult r = ready_args(pctx != NULL);
+    if (r != CUDA_SUCCESS)
+        return r;
+    struct fake_ctx *ctx;
+    if ((r = primary_enter(dev, &ctx)) != CUDA_SUCCESS)
+        return r;
     if (ctx->refcount == 0) {
         /* A context holds device memory of its own (context_memory): charge it now. */
         int fd = node_lock(G.cfg.root);
         if (fd < 0)
             r = CUDA_ERROR_OPERATING_SYSTEM;
-        else if (!room_locked(g, G.cfg.context_memory))
+        else if (!room_locked(ordinal_gpu(dev), G.cfg.context_memory))
             r = CUDA_ERROR_OUT_OF_MEMORY;
         else {
             ctx->refcount = 1;
@@ -365,15 +366,10 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
 }
 
 static CUresult primary_release(CUdevice dev) {
-    CUresult r = gate_enter();
+    struct fake_ctx *ctx;
+    CUresult r = primary_enter(dev, &ctx);
     if (r != CUDA_SUCCESS)
         return r;
-    if (ordinal_gpu(dev) < 0) {
-        gate_exit();
-        return CUDA_ERROR_INVALID_DEVICE;
-    }
-    pthread_mutex_lock(&G.mu);
-    struct fake_ctx *ctx = &G.ctx[dev];
     if (ctx->refcount <= 0) {
         r = CUDA_ERROR_INVALID_CONTEXT;
     } else if (--ctx->refcount == 0) {
@@ -398,11 +394,9 @@ EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
 }
 
 EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
-    CUresult r = ready();
+    CUresult r = ready_args(flags && active);
     if (r != CUDA_SUCCESS)
         return r;
-    if (!flags || !active)
-        return CUDA_ERROR_INVALID_VALUE;
     if (ordinal_gpu(dev) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
     *flags = 0;
@@ -421,21 +415,16 @@ EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
 }
 
 EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
-    CUresult r = ready();
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
-    *pctx = t_current;
-    return CUDA_SUCCESS;
+    CUresult r = ready_args(pctx != NULL);
+    if (r == CUDA_SUCCESS)
+        *pctx = t_current;
+    return r;
 }
 
 EXPORT CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) {
-    CUresult r = ready();
+    CUresult r = ready_args(device != NULL);
     if (r != CUDA_SUCCESS)
         return r;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
     if (!ctx)
         ctx = t_current;
     if ((r = ctx_check(ctx)) != CUDA_SUCCESS)

@@ -232,48 +232,48 @@ void streams_of_ctx_drop(struct fake_ctx *ctx) {
         stream_release(drop[i]);
 }
 
-EXPORT CUresult cuStreamSynchronize(CUstream h) {
+/* resolve, taking G.mu for it. */
+CUresult stream_lookup(CUstream h, struct fake_stream **out) {
+    pthread_mutex_lock(&G.mu);
+    CUresult r = resolve(h, out);
+    pthread_mutex_unlock(&G.mu);
+    return r;
+}
+
+/* fn on the stream behind h, inside the API gate. */
+static CUresult with_stream(CUstream h, CUresult (*fn)(struct fake_stream *)) {
     CUresult r = gate_enter();
     if (r != CUDA_SUCCESS)
         return r;
     struct fake_stream *s = NULL;
-    pthread_mutex_lock(&G.mu);
-    r = resolve(h, &s);
-    pthread_mutex_unlock(&G.mu);
-    if (r == CUDA_SUCCESS)
-        r = stream_sync(s);
+    if ((r = stream_lookup(h, &s)) == CUDA_SUCCESS)
+        r = fn(s);
     gate_exit();
     return r;
+}
+
+/* cuStreamQuery: NOT_READY while work is queued or running, else its sticky error. */
+static CUresult stream_query(struct fake_stream *s) {
+    pthread_mutex_lock(&s->mu);
+    CUresult r = (s->head || s->busy) ? CUDA_ERROR_NOT_READY : s->error;
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
+EXPORT CUresult cuStreamSynchronize(CUstream h) {
+    return with_stream(h, stream_sync);
 }
 
 EXPORT CUresult cuStreamQuery(CUstream h) {
-    CUresult r = gate_enter();
-    if (r != CUDA_SUCCESS)
-        return r;
-    struct fake_stream *s = NULL;
-    pthread_mutex_lock(&G.mu);
-    r = resolve(h, &s);
-    pthread_mutex_unlock(&G.mu);
-    if (r == CUDA_SUCCESS) {
-        pthread_mutex_lock(&s->mu);
-        r = (s->head || s->busy) ? CUDA_ERROR_NOT_READY : s->error;
-        pthread_mutex_unlock(&s->mu);
-    }
-    gate_exit();
-    return r;
+    return with_stream(h, stream_query);
 }
 
 EXPORT CUresult cuStreamGetCtx(CUstream h, CUcontext *pctx) {
-    CUresult r = ready();
+    CUresult r = ready_args(pctx != NULL);
     if (r != CUDA_SUCCESS)
         return r;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
     struct fake_stream *s = NULL;
-    pthread_mutex_lock(&G.mu);
-    r = resolve(h, &s);
-    pthread_mutex_unlock(&G.mu);
-    if (r == CUDA_SUCCESS)
+    if ((r = stream_lookup(h, &s)) == CUDA_SUCCESS)
         *pctx = s->ctx;
     return r;
 }

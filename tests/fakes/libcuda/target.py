@@ -20,17 +20,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
-
-class CudaError(Exception):
-    pass
-
-
-def check(result: Any) -> Any:
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise CudaError(cu.CUresult(err).name)
-    return values[0] if len(values) == 1 else tuple(values) if values else None
-
+from tests.fakes.libcuda.cucheck import CudaError, check
 
 BLOCK = 64 * 2**20  # randbytes cannot make much more at once
 
