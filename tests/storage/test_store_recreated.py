@@ -20,6 +20,7 @@ import pytest
 
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.layout import chunk_key
+from gpusnap.storage.push import PushResult
 from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import (
     Keys,
@@ -42,6 +43,15 @@ def _image(root: Path, seed: int = 1) -> Path:
 def _assert_restores(store: CheckpointStore, checkpoint_id: str, src: Path, dest: Path) -> None:
     store.pull(checkpoint_id, dest)
     assert tree_contents(dest) == tree_contents(src)
+
+
+def _push_again(store: CheckpointStore, src: Path, dest: Path) -> PushResult:
+    """Push ``src`` again: the store then verifies, and the new checkpoint restores to ``dest``
+    byte-identical. The push's result, for what it uploaded."""
+    again = store.push(src, workload="w")
+    assert store.verify().ok
+    _assert_restores(store, again.checkpoint_id, src, dest)
+    return again
 
 
 @pytest.fixture
@@ -82,10 +92,8 @@ def test_a_push_into_a_wiped_file_store_uploads_every_chunk_again(
     shutil.rmtree(tmp_path / "store")  # the operator wipes the directory
     # A new process (the CLI), with the same cache directory and so the same local index.
     with file_store(tmp_path, keys) as store:
-        second = store.push(src, workload="w")
+        second = _push_again(store, src, tmp_path / "dest")
         assert second.chunks_uploaded == second.chunks_total
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest")
 
 
 def test_a_long_lived_store_handle_notices_its_directory_was_wiped(
@@ -104,9 +112,7 @@ def test_a_long_lived_store_handle_notices_its_directory_was_wiped(
                 shutil.rmtree(child)
             else:
                 child.unlink()
-        second = store.push(src, workload="w")
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest")
+        _push_again(store, src, tmp_path / "dest")
 
 
 @pytest.mark.s3
@@ -122,10 +128,8 @@ def test_a_push_into_an_emptied_or_recreated_bucket_uploads_every_chunk_again(
     src = _image(tmp_path / "src")
     s3_store.push(src, workload="w")
     _empty_bucket(moto_server, s3_bucket, recreate=recreate)
-    second = s3_store.push(src, workload="w")
+    second = _push_again(s3_store, src, tmp_path / "dest")
     assert second.chunks_uploaded == second.chunks_total
-    assert s3_store.verify().ok
-    _assert_restores(s3_store, second.checkpoint_id, src, tmp_path / "dest")
 
 
 def test_a_chunk_lost_behind_the_stores_back_is_uploaded_again_by_the_next_push(
@@ -136,11 +140,9 @@ def test_a_chunk_lost_behind_the_stores_back_is_uploaded_again_by_the_next_push(
         first = store.push(src, workload="w")
         victim = store.manifest(first.checkpoint_id).files[-1].chunks[0].id
         store.backend.delete(chunk_key(victim))  # an operator's rm, a lifecycle rule
-        second = store.push(src, workload="w")
+        second = _push_again(store, src, tmp_path / "dest-2")
         assert second.chunks_uploaded >= 1
         # The chunk is back: both checkpoints restore (chunks are named by their content).
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest-2")
         _assert_restores(store, first.checkpoint_id, src, tmp_path / "dest-1")
 
 
@@ -155,9 +157,7 @@ def test_after_verify_reports_a_lost_chunk_the_next_push_of_the_same_bytes_resto
         report = store.verify()
         assert not report.ok
         assert any(victim in m and first.checkpoint_id in m for m in report.chunks_missing)
-        second = store.push(src, workload="w")
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest")
+        _push_again(store, src, tmp_path / "dest")
 
 
 def test_a_store_restored_from_an_older_copy_gets_its_lost_chunks_back(
@@ -174,7 +174,5 @@ def test_a_store_restored_from_an_older_copy_gets_its_lost_chunks_back(
     shutil.rmtree(tmp_path / "store")
     shutil.copytree(backup, tmp_path / "store")  # the restore from last night's backup
     with file_store(tmp_path, keys) as store:
-        third = store.push(second_src, workload="w")
+        third = _push_again(store, second_src, tmp_path / "dest")
         assert third.chunks_uploaded >= 1
-        assert store.verify().ok
-        _assert_restores(store, third.checkpoint_id, second_src, tmp_path / "dest")
