@@ -25,7 +25,9 @@ from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import (
     Keys,
     MiB,
+    Pushed,
     file_store,
+    pushed_file_store,
     random_bytes,
     tree_contents,
     write_src,
@@ -52,6 +54,20 @@ def _push_again(store: CheckpointStore, src: Path, dest: Path) -> PushResult:
     assert store.verify().ok
     _assert_restores(store, again.checkpoint_id, src, dest)
     return again
+
+
+def _lose_a_chunk(store: CheckpointStore, checkpoint_id: str, file: int) -> str:
+    """Delete the first chunk of the checkpoint's ``file``-th file behind the store's back (an
+    operator's rm, a lifecycle rule); its id."""
+    victim = store.manifest(checkpoint_id).files[file].chunks[0].id
+    store.backend.delete(chunk_key(victim))
+    return victim
+
+
+@pytest.fixture
+def pushed(tmp_path: Path, keys: Keys) -> Iterator[Pushed]:
+    with pushed_file_store(tmp_path, keys, _image(tmp_path / "src")) as pushed:
+        yield pushed
 
 
 @pytest.fixture
@@ -97,22 +113,19 @@ def test_a_push_into_a_wiped_file_store_uploads_every_chunk_again(
 
 
 def test_a_long_lived_store_handle_notices_its_directory_was_wiped(
-    tmp_path: Path, keys: Keys
+    pushed: Pushed, tmp_path: Path
 ) -> None:
     """The daemon keeps its store open across checkpoints: the same handle pushes again.
 
     (Its directory's contents are wiped; the directory itself stays: a store root that
     vanished may be an unmounted disk, and is never recreated under a running handle.)
     """
-    src = _image(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        store.push(src, workload="w")
-        for child in (tmp_path / "store").iterdir():
-            if child.is_dir():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-        _push_again(store, src, tmp_path / "dest")
+    for child in (tmp_path / "store").iterdir():
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    _push_again(pushed.store, pushed.src, tmp_path / "dest")
 
 
 @pytest.mark.s3
@@ -133,31 +146,24 @@ def test_a_push_into_an_emptied_or_recreated_bucket_uploads_every_chunk_again(
 
 
 def test_a_chunk_lost_behind_the_stores_back_is_uploaded_again_by_the_next_push(
-    tmp_path: Path, keys: Keys
+    pushed: Pushed, tmp_path: Path
 ) -> None:
-    src = _image(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        first = store.push(src, workload="w")
-        victim = store.manifest(first.checkpoint_id).files[-1].chunks[0].id
-        store.backend.delete(chunk_key(victim))  # an operator's rm, a lifecycle rule
-        second = _push_again(store, src, tmp_path / "dest-2")
-        assert second.chunks_uploaded >= 1
-        # The chunk is back: both checkpoints restore (chunks are named by their content).
-        _assert_restores(store, first.checkpoint_id, src, tmp_path / "dest-1")
+    _lose_a_chunk(pushed.store, pushed.first.checkpoint_id, file=-1)
+    second = _push_again(pushed.store, pushed.src, tmp_path / "dest-2")
+    assert second.chunks_uploaded >= 1
+    # The chunk is back: both checkpoints restore (chunks are named by their content).
+    _assert_restores(pushed.store, pushed.first.checkpoint_id, pushed.src, tmp_path / "dest-1")
 
 
 def test_after_verify_reports_a_lost_chunk_the_next_push_of_the_same_bytes_restores(
-    tmp_path: Path, keys: Keys
+    pushed: Pushed, tmp_path: Path
 ) -> None:
-    src = _image(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        first = store.push(src, workload="w")
-        victim = store.manifest(first.checkpoint_id).files[0].chunks[0].id
-        store.backend.delete(chunk_key(victim))
-        report = store.verify()
-        assert not report.ok
-        assert any(victim in m and first.checkpoint_id in m for m in report.chunks_missing)
-        _push_again(store, src, tmp_path / "dest")
+    first = pushed.first.checkpoint_id
+    victim = _lose_a_chunk(pushed.store, first, file=0)
+    report = pushed.store.verify()
+    assert not report.ok
+    assert any(victim in m and first in m for m in report.chunks_missing)
+    _push_again(pushed.store, pushed.src, tmp_path / "dest")
 
 
 def test_a_store_restored_from_an_older_copy_gets_its_lost_chunks_back(
