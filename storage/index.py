@@ -28,7 +28,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from blake3 import blake3
@@ -49,6 +50,21 @@ def current_boot_id() -> str:
         return f"process-{os.getpid()}-{os.urandom(8).hex()}"
 
 
+@contextmanager
+def local_db_errors(what: str, os_what: str | None = None) -> Iterator[None]:
+    """Opening a node-local SQLite file: its errors and the filesystem's are ``FailedPrecondition``.
+
+    ``what`` begins the message of a SQLite error, ``os_what`` (default ``what``) that of an
+    ``OSError``; each is followed by ``: `` and the cause.
+    """
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise FailedPrecondition(f"{what}: {exc}") from exc
+    except OSError as exc:
+        raise FailedPrecondition(f"{os_what or what}: {exc.strerror or exc}") from exc
+
+
 def default_cache_dir(store_url: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "gpusnap" / blake3(store_url.encode()).hexdigest()[:16]
@@ -66,7 +82,10 @@ class ChunkIndex:
         self._token = f"{os.getpid()}.{os.urandom(4).hex()}"
         self._serial = itertools.count()
         self._lock = threading.Lock()
-        try:
+        with local_db_errors(
+            f"cannot open chunk index {path}",
+            f"cannot create the chunk index directory {path.parent}",
+        ):
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._db = sqlite3.connect(path, check_same_thread=False, timeout=30.0)
             with self._db:
@@ -91,12 +110,6 @@ class ChunkIndex:
                     forgotten,
                 )
             self._set_meta("store_url", store_url)
-        except sqlite3.Error as exc:
-            raise FailedPrecondition(f"cannot open chunk index {path}: {exc}") from exc
-        except OSError as exc:
-            raise FailedPrecondition(
-                f"cannot create the chunk index directory {path.parent}: {exc.strerror or exc}"
-            ) from exc
 
     def _meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()

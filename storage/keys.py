@@ -45,12 +45,17 @@ _CTX_RECORD_DATA = "gpusnap 2026-11 record data"
 
 def _write_secret(path: Path, data: bytes) -> None:
     """Create ``path`` with mode 0600 from the start (never world-readable, not even briefly)."""
+    _write_new_file(path, data, 0o600, "key file", "already exists")
+
+
+def _write_new_file(path: Path, data: bytes, mode: int, what: str, exists: str) -> None:
+    """Create ``path`` with ``mode`` (O_EXCL: never overwrite a key), write and fsync ``data``."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError as exc:
-        raise InvalidArgument(f"key file {path} already exists; refusing to overwrite") from exc
+        raise InvalidArgument(f"{what} {path} {exists}; refusing to overwrite") from exc
     except OSError as exc:
-        raise InvalidArgument(f"cannot create key file {path}: {exc.strerror}") from exc
+        raise InvalidArgument(f"cannot create {what} {path}: {exc.strerror}") from exc
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -85,17 +90,7 @@ def generate_encryption_key(path: Path) -> None:
 def export_public_key(private_key_file: Path, path: Path) -> None:
     """Write the public half of a signing key, for nodes that only verify or trust it."""
     pem = load_signing_key(private_key_file).public_pem()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError as exc:
-        raise InvalidArgument(f"public key file {path} exists; refusing to overwrite") from exc
-    except OSError as exc:
-        raise InvalidArgument(f"cannot create public key file {path}: {exc.strerror}") from exc
-    try:
-        os.write(fd, pem)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_new_file(path, pem, 0o644, "public key file", "exists")
 
 
 def public_key_path(private_key_file: Path) -> Path:

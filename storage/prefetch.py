@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from gpusnap.errors import Corrupt, FailedPrecondition
 from gpusnap.storage.catalog import fetch_manifest
@@ -104,6 +104,16 @@ class TokenBucket:
         """Count ``n`` more bytes than were taken (fewer, when negative) after the fact."""
         with self._lock:
             self._tokens = min(self.burst, self._tokens - n)
+
+
+class PrefetchOptions(TypedDict, total=False):
+    """The keyword options of ``prefetch`` (``Store.prefetch`` passes them on as given)."""
+
+    bandwidth: float | None
+    bucket: TokenBucket | None
+    threads: int
+    stop: threading.Event | None
+    progress: ProgressFn | None
 
 
 @dataclass

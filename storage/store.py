@@ -14,10 +14,9 @@ way (docs/design.md).
 from __future__ import annotations
 
 import builtins
-import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage import catalog, gc, prefetch, pull, push, verify
@@ -35,7 +34,7 @@ from gpusnap.storage.keys import (
 )
 from gpusnap.storage.manifest import Manifest, ManifestSummary
 from gpusnap.storage.parallel import ProgressFn
-from gpusnap.storage.prefetch import PrefetchResult, TokenBucket
+from gpusnap.storage.prefetch import PrefetchOptions, PrefetchResult
 from gpusnap.storage.pull import PullResult, PullStats
 from gpusnap.storage.push import PushResult
 from gpusnap.storage.records import SignedRecords, open_record, seal_record
@@ -272,14 +271,7 @@ class CheckpointStore:
     # --- the node's chunk cache -------------------------------------------------------
 
     def prefetch(
-        self,
-        checkpoint: str | Manifest,
-        *,
-        bandwidth: float | None = None,
-        bucket: TokenBucket | None = None,
-        threads: int = 1,
-        stop: threading.Event | None = None,
-        progress: ProgressFn | None = None,
+        self, checkpoint: str | Manifest, **options: Unpack[PrefetchOptions]
     ) -> PrefetchResult:
         """Fetch into the node's chunk cache what it lacks of ``checkpoint``, gently.
 
@@ -289,15 +281,7 @@ class CheckpointStore:
         the checkpoint is now warm (``storage/prefetch.py``). Needs a store opened with a
         chunk cache (``FailedPrecondition`` otherwise).
         """
-        return prefetch.prefetch(
-            self.context,
-            checkpoint,
-            bandwidth=bandwidth,
-            bucket=bucket,
-            threads=threads,
-            stop=stop,
-            progress=progress,
-        )
+        return prefetch.prefetch(self.context, checkpoint, **options)
 
     def warm_bytes(self, checkpoint: str | Manifest) -> tuple[int, int]:
         """``(bytes held here, bytes a restore would fetch)`` of a checkpoint; cheap: one

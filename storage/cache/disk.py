@@ -41,6 +41,7 @@ from gpusnap.storage.cache.db import COUNTERS, DB_NAME, add, connect, meta, set_
 from gpusnap.storage.cache.files import CacheFiles, Oversized, check_chunk_id
 from gpusnap.storage.cache.repair import reap_dead_writers, repair
 from gpusnap.storage.cache.writers import WriterToken
+from gpusnap.storage.index import local_db_errors
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class ChunkCache:
         self._counts: Counter[str] = Counter()
         self._flushed_at = time.monotonic()
         db_path = directory / DB_NAME
-        try:
+        with local_db_errors(f"cannot open the chunk cache in {directory}"):
             if not create and not db_path.exists():
                 raise NotFound(f"no chunk cache in {directory}")
             _check_dir(directory, create=create)
@@ -139,12 +140,6 @@ class ChunkCache:
                 repair(db, self.files, full=full)
                 set_meta(db, "boot_id", self._token.boot_id)
                 self._evict_to(db, self.max_bytes)
-        except sqlite3.Error as exc:
-            raise FailedPrecondition(f"cannot open the chunk cache in {directory}: {exc}") from exc
-        except OSError as exc:
-            raise FailedPrecondition(
-                f"cannot open the chunk cache in {directory}: {exc.strerror or exc}"
-            ) from exc
 
     # --- what the scoped view (``StoreCache``) uses --------------------------------------
 

@@ -10,19 +10,19 @@ offers it (``backend.put_deferred`` then picks the same call it would without th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
-from gpusnap.storage.backend import Backend, DeferredSyncBackend, ObjectInfo
+from gpusnap.storage.backend import Backend, DeferredSyncBackend
 from gpusnap.storage.cache.view import StoreCache
 from gpusnap.storage.layout import chunk_id_of_key
+from gpusnap.storage.passthrough import PassThroughBackend
 
 
-class SeedingBackend:
+class SeedingBackend(PassThroughBackend):
     """``inner``, with every chunk object put also given to ``cache``."""
 
     def __init__(self, inner: Backend, cache: StoreCache) -> None:
-        self.inner = inner  # the name ``backend._reserve_holder`` looks through
-        self.url = inner.url
+        super().__init__(inner)
         self._cache = cache
 
     def _seed(self, key: str, data: bytes) -> None:
@@ -31,20 +31,8 @@ class SeedingBackend:
             self._cache.put(chunk_id, data)
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
+        super().put(key, data, if_absent=if_absent)
         self._seed(key, data)
-
-    def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        return self.inner.get(key, offset=offset, length=length)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
 
     def close(self) -> None:
         """Nothing: the wrapped backend is its context's to close."""

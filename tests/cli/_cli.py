@@ -107,6 +107,13 @@ def write_tree(root: Path, seed: int = 0, big: int = 3 * 1024 * 1024) -> dict[st
     return files
 
 
+def image_tree(tmp: Path, seed: int = 0) -> Path:
+    """``write_tree`` at ``tmp/image``: the image a test pushes."""
+    image = tmp / "image"
+    write_tree(image, seed=seed)
+    return image
+
+
 def tree_of(root: Path) -> dict[str, bytes]:
     return {
         p.relative_to(root).as_posix(): p.read_bytes()

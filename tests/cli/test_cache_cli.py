@@ -6,12 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli._cli import Cli, make_cli, tree_of, write_tree
-
-
-@pytest.fixture
-def cli(tmp_path: Path) -> Cli:
-    return make_cli(tmp_path)
+from tests.cli._cli import Cli, tree_of, write_tree
 
 
 @pytest.fixture

@@ -15,11 +15,6 @@ EXIT_NOT_FOUND = 3
 EXIT_INTEGRITY = 4
 
 
-@pytest.fixture
-def cli(tmp_path: Path) -> Cli:
-    return make_cli(tmp_path)
-
-
 def _one_line(err: str) -> bool:
     return len(err.strip().splitlines()) == 1
 

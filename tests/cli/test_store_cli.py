@@ -25,11 +25,6 @@ from tests.cli._cli import (
 
 
 @pytest.fixture
-def cli(tmp_path: Path) -> Cli:
-    return make_cli(tmp_path)
-
-
-@pytest.fixture
 def image(tmp_path: Path) -> Path:
     root = tmp_path / "image"
     write_tree(root)

@@ -11,12 +11,7 @@ import pytest
 
 from gpusnap.storage.keys import load_signing_key, seal
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
-from tests.cli._cli import Cli, files_under, make_cli, write_tree
-
-
-@pytest.fixture
-def cli(tmp_path: Path) -> Cli:
-    return make_cli(tmp_path)
+from tests.cli._cli import Cli, files_under, write_tree
 
 
 @pytest.fixture

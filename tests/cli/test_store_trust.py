@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.cli._cli import Cli, make_cli, tree_of, write_tree
+from tests.cli._cli import Cli, image_tree, make_cli, tree_of, write_tree
 
 
 def test_keygen_writes_the_public_key_beside_the_private_one_and_pubkey_prints_it(
@@ -99,8 +99,7 @@ def test_verify_without_read_data_says_it_checked_chunks_present_not_verified(
     tmp_path: Path,
 ) -> None:
     cli = make_cli(tmp_path)
-    image = tmp_path / "image"
-    write_tree(image)
+    image = image_tree(tmp_path)
     cli.push(image, "w")
     text = cli.ok("store", "verify", "--all")
     assert "chunks present" in text.out and "verified" not in text.out
@@ -115,8 +114,7 @@ def test_a_wiped_store_then_a_push_then_a_pull_works_as_an_operator_expects(
     tmp_path: Path,
 ) -> None:
     cli = make_cli(tmp_path)
-    image = tmp_path / "image"
-    write_tree(image, seed=8)
+    image = image_tree(tmp_path, seed=8)
     cli.push(image, "w")
     shutil.rmtree(tmp_path / "store")
     again = cli.push(image, "w")
@@ -130,8 +128,7 @@ def test_verify_names_the_damaged_checkpoints_and_the_next_push_repairs_them(
     tmp_path: Path,
 ) -> None:
     cli = make_cli(tmp_path)
-    image = tmp_path / "image"
-    write_tree(image, seed=9)
+    image = image_tree(tmp_path, seed=9)
     first = cli.push(image, "w")["checkpoint_id"]
     shown = cli.ok("store", "show", first, "--json").json()
     big = max(shown["files"], key=lambda f: f["size"])

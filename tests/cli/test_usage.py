@@ -6,16 +6,10 @@ of these reach a daemon."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.cli._cli import Cli, make_cli
-
-
-@pytest.fixture
-def cli(tmp_path: Path) -> Cli:
-    return make_cli(tmp_path)
+from tests.cli._cli import Cli
 
 
 @pytest.mark.parametrize(

@@ -8,17 +8,7 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.config import CacheSection, parse_config
-from gpusnap.errors import InvalidArgument
-
-STORE = {"key_file": "/etc/gpusnap/signing.key"}
-
-
-def _error(data: dict[str, Any]) -> str:
-    with pytest.raises(InvalidArgument) as info:
-        parse_config({"store": STORE, **data})
-    message = str(info.value)
-    assert "\n" not in message
-    return message
+from tests.support.config_errors import STORE, config_error
 
 
 def test_the_cache_is_on_in_the_state_dir_and_seeded_by_default() -> None:
@@ -54,7 +44,7 @@ def test_cache_keys_parse() -> None:
     ],
 )
 def test_a_bad_cache_value_is_refused_naming_the_key(table: dict[str, Any], needle: str) -> None:
-    assert needle in _error({"cache": table})
+    assert needle in config_error({"cache": table})
 
 
 def test_prefetch_is_off_by_default_with_a_bandwidth_cap_and_every_workload() -> None:
@@ -96,4 +86,4 @@ def test_prefetch_keys_parse() -> None:
     ],
 )
 def test_a_bad_prefetch_value_is_refused_naming_the_key(table: dict[str, Any], needle: str) -> None:
-    assert needle in _error({"migration": table})
+    assert needle in config_error({"migration": table})

@@ -10,17 +10,7 @@ import pytest
 
 from gpusnap.daemon.config import parse_config
 from gpusnap.daemon.containers import PodmanRuntime, RuntimeSet
-from gpusnap.errors import InvalidArgument
-
-STORE = {"key_file": "/etc/gpusnap/signing.key"}
-
-
-def _error(data: dict[str, Any]) -> str:
-    with pytest.raises(InvalidArgument) as info:
-        parse_config({"store": STORE, **data})
-    message = str(info.value)
-    assert "\n" not in message
-    return message
+from tests.support.config_errors import STORE, config_error
 
 
 def test_runtime_options_become_each_runtimes_own_arguments() -> None:
@@ -99,4 +89,4 @@ def test_without_a_containers_table_every_runtime_is_detected_with_its_defaults(
     ],
 )
 def test_a_bad_container_key_is_one_line_naming_it(data: dict[str, Any], expected: str) -> None:
-    assert expected in _error(data)
+    assert expected in config_error(data)

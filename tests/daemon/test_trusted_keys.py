@@ -3,7 +3,7 @@ refuses, with the key id, those signed by any other (issue 12: signing keys per 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,9 +48,19 @@ def _service(tmp_path: Path, store: Path, trusted: list[str]) -> DaemonService:
 
 
 @pytest.fixture
-def service_factory(tmp_path: Path) -> Iterator[list[DaemonService]]:
+def node_a(
+    tmp_path: Path, other_nodes_checkpoint: tuple[Path, str, Path]
+) -> Iterator[Callable[[list[str]], DaemonService]]:
+    """Start node A's daemon on the store of ``other_nodes_checkpoint``, trusting the keys
+    given; every one started is closed after the test."""
+    store = other_nodes_checkpoint[0]
     made: list[DaemonService] = []
-    yield made
+
+    def start(trusted: list[str]) -> DaemonService:
+        made.append(_service(tmp_path, store, trusted))
+        return made[-1]
+
+    yield start
     for svc in made:
         svc.close()
 
@@ -58,11 +68,10 @@ def service_factory(tmp_path: Path) -> Iterator[list[DaemonService]]:
 def test_a_manifest_signed_by_an_untrusted_node_is_refused_with_its_key_id(
     tmp_path: Path,
     other_nodes_checkpoint: tuple[Path, str, Path],
-    service_factory: list[DaemonService],
+    node_a: Callable[[list[str]], DaemonService],
 ) -> None:
-    store, checkpoint_id, _ = other_nodes_checkpoint
-    svc = _service(tmp_path, store, [])
-    service_factory.append(svc)
+    _, checkpoint_id, _ = other_nodes_checkpoint
+    svc = node_a([])
     with pytest.raises(Corrupt) as info:
         svc.compat(checkpoint_id)
     key_id = load_signing_key(tmp_path / "b.key").key_id
@@ -72,14 +81,11 @@ def test_a_manifest_signed_by_an_untrusted_node_is_refused_with_its_key_id(
 
 
 def test_a_manifest_signed_by_a_trusted_node_is_accepted(
-    tmp_path: Path,
     other_nodes_checkpoint: tuple[Path, str, Path],
-    service_factory: list[DaemonService],
+    node_a: Callable[[list[str]], DaemonService],
 ) -> None:
-    store, checkpoint_id, trusted = other_nodes_checkpoint
-    svc = _service(tmp_path, store, [str(trusted)])
-    service_factory.append(svc)
-    verdict = svc.compat(checkpoint_id)
+    _, checkpoint_id, trusted = other_nodes_checkpoint
+    verdict = node_a([str(trusted)]).compat(checkpoint_id)
     assert verdict.checkpoint_id == checkpoint_id
 
 

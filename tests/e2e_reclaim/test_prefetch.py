@@ -27,19 +27,17 @@ NAME = "holder"
 
 
 @pytest.fixture
-def holder(tmp_path: Path) -> Iterator[Holder]:
-    h = Holder(tmp_path / "run", HOLDER_MIB)
-    yield h
-    h.kill_whatever_runs()
-
-
-@pytest.fixture
-def cluster(
-    tmp_path: Path, moto_server: MotoServer, s3_bucket: str, holder: Holder
-) -> Iterator[Cluster]:
-    # Depends on ``holder``: the nodes stop first, then whatever runs of it is killed.
-    with cluster_of(tmp_path, moto_server, s3_bucket) as cluster:
-        yield cluster
+def holder_and_cluster(
+    tmp_path: Path, moto_server: MotoServer, s3_bucket: str
+) -> Iterator[tuple[Holder, Cluster]]:
+    """The holder, and nodes over ``s3_bucket``; the nodes stop first, then whatever runs of
+    the holder is killed."""
+    holder = Holder(tmp_path / "run", HOLDER_MIB)
+    try:
+        with cluster_of(tmp_path, moto_server, s3_bucket) as cluster:
+            yield holder, cluster
+    finally:
+        holder.kill_whatever_runs()
 
 
 def _workload(pid_file: Path | None = None) -> str:
@@ -55,8 +53,9 @@ def _warm(node_status: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def test_a_standby_that_prefetched_restores_a_5_percent_change_fetching_under_10_percent(
-    cluster: Cluster, holder: Holder
+    holder_and_cluster: tuple[Holder, Cluster],
 ) -> None:
+    holder, cluster = holder_and_cluster
     a = cluster.node("a", triggers_section("none") + _workload(holder.pid_file))
     first = ask.cli_json(a, "checkpoint", "--workload", NAME, "--leave-running", "--wait")
     cp1 = first["checkpoint_id"]
@@ -109,8 +108,9 @@ def test_a_standby_that_prefetched_restores_a_5_percent_change_fetching_under_10
 
 
 def test_the_restore_result_and_json_carry_bytes_fetched_and_bytes_cached_when_cold(
-    cluster: Cluster, holder: Holder
+    holder_and_cluster: tuple[Holder, Cluster],
 ) -> None:
+    holder, cluster = holder_and_cluster
     """Without prefetch B fetches the whole checkpoint; A, which pushed it, holds it all."""
     a = cluster.node("a", triggers_section("none") + _workload(holder.pid_file))
     b = cluster.node("b", triggers_section("none") + _workload())

@@ -122,6 +122,22 @@ def file_store(
     )
 
 
+@dataclass
+class Pushed:
+    """An open store holding ``first``, a push of ``src`` as workload ``w``."""
+
+    store: CheckpointStore
+    src: Path
+    first: PushResult
+
+
+@contextmanager
+def pushed_file_store(tmp_path: Path, keys: Keys, src: Path) -> Iterator[Pushed]:
+    """``file_store(tmp_path, keys)``, open, with ``src`` pushed into it once."""
+    with file_store(tmp_path, keys) as store:
+        yield Pushed(store, src, store.push(src, workload="w"))
+
+
 @contextmanager
 def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
     """A real tmpfs of ``size`` (``1m``) at ``mount_point``, so that ENOSPC is real.

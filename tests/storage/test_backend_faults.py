@@ -18,6 +18,7 @@ from gpusnap.errors import (
 from gpusnap.storage.backend import Backend, ObjectInfo, backend_factory, open_backend
 from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.layout import TEMP_PREFIX
+from gpusnap.storage.passthrough import PassThroughBackend
 from gpusnap.storage.retry import RetryingBackend
 from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import mounted_tmpfs
@@ -235,23 +236,13 @@ def test_a_conditional_request_conflict_is_retried_to_a_definite_answer(
 # -- listing resumes ----------------------------------------------------------------------
 
 
-class FailsOnceMidList:
+class FailsOnceMidList(PassThroughBackend):
     """A real file store whose first listing breaks after ``after`` objects."""
 
     def __init__(self, inner: FileBackend, after: int) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.after = after
         self.listings = 0
-
-    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
-
-    def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        return self.inner.get(key, offset=offset, length=length)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        return self.inner.stat(key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         self.listings += 1
@@ -259,12 +250,6 @@ class FailsOnceMidList:
             if self.listings == 1 and n == self.after:
                 raise Unavailable("listing connection reset")
             yield info
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def test_a_listing_that_fails_part_way_resumes_without_repeats(tmp_path: Path) -> None:

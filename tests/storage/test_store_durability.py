@@ -8,31 +8,31 @@ reboot (it would otherwise dedup against objects a power cut may have lost).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 from gpusnap.errors import Internal
 from gpusnap.storage import CheckpointStore
-from gpusnap.storage.backend import ObjectInfo
 from gpusnap.storage.context import open_context
 from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.index import ChunkIndex
 from gpusnap.storage.keys import StoreKeys, load_signing_key
 from gpusnap.storage.layout import CHUNK_PREFIX, chunk_id_of_key
+from gpusnap.storage.passthrough import PassThroughBackend
 from tests.storage.store_helpers import Keys, MiB, make_tree, random_bytes
 
 
-class RecordingBackend:
+class RecordingBackend(PassThroughBackend):
     """A ``file://`` backend that records the order of writes and syncs.
 
     With ``fail_sync`` a sync after the first chunk put fails, as if the machine went down.
     """
 
     def __init__(self, root: Path, *, fail_sync: bool = False) -> None:
-        self.inner = FileBackend(str(root))
-        self.url = self.inner.url
+        self.files = FileBackend(str(root))
+        super().__init__(self.files)
         self.calls: list[tuple[str, str]] = []
         self.synced: list[list[str] | None] = []  # the keys of each sync (None: all)
         self.fail_sync = fail_sync
@@ -43,35 +43,20 @@ class RecordingBackend:
             self.calls.append((op, key))
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
+        super().put(key, data, if_absent=if_absent)
         self._record("put", key)
 
     def put_unsynced(self, key: str, data: bytes) -> None:
-        self.inner.put_unsynced(key, data)
+        self.files.put_unsynced(key, data)
         self._record("put_unsynced", key)
 
     def sync(self, keys: Iterable[str] | None = None) -> None:
         if self.fail_sync and any(op == "put_unsynced" for op, _key in self.calls):
             raise Internal("the machine went down here")
         listed = None if keys is None else list(keys)
-        self.inner.sync(listed)
+        self.files.sync(listed)
         self.synced.append(listed)
         self._record("sync", "")
-
-    def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        return self.inner.get(key, offset=offset, length=length)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _store(tmp_path: Path, keys: Keys, backend: RecordingBackend) -> CheckpointStore:
@@ -169,7 +154,7 @@ def test_an_index_rebuilt_from_a_listing_syncs_first_so_it_holds_no_pending_chun
     tmp_path: Path, keys: Keys
 ) -> None:
     backend = RecordingBackend(tmp_path / "store")
-    backend.inner.put_unsynced(f"{CHUNK_PREFIX}ab/{'ab' * 32}", b"x")
+    backend.files.put_unsynced(f"{CHUNK_PREFIX}ab/{'ab' * 32}", b"x")
     with _store(tmp_path, keys, backend) as store:
         assert store.rebuild_index() == 1
         assert backend.synced == [None]  # everything: the listing may hold unsynced chunks

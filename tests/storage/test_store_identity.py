@@ -7,6 +7,7 @@ import base64
 import json
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,10 @@ from gpusnap.storage.streams import StreamSource
 from tests.storage.store_helpers import (
     Keys,
     MiB,
+    Pushed,
     file_store,
     make_keys,
+    pushed_file_store,
     random_bytes,
     tree_contents,
     write_src,
@@ -160,9 +163,8 @@ def test_a_store_made_before_configs_existed_gets_one_on_the_next_push_and_still
 def test_an_index_of_another_store_is_emptied_when_it_is_opened_for_this_one(
     tmp_path: Path, keys: Keys
 ) -> None:
-    src = _src(tmp_path / "src")
     with file_store(tmp_path, keys) as store:
-        store.push(src, workload="w")
+        store.push(_src(tmp_path / "src"), workload="w")
         old_id = store.index.store_id
         assert store.index.count() > 0
     shutil.rmtree(tmp_path / "store")
@@ -206,32 +208,34 @@ def _flip_last_byte(store: CheckpointStore, tmp_path: Path, checkpoint_id: str) 
     return victim
 
 
+@pytest.fixture
+def damaged(tmp_path: Path, keys: Keys) -> Iterator[tuple[Pushed, str]]:
+    """A file store holding a push one of whose chunks is damaged in place; that chunk's id."""
+    with pushed_file_store(tmp_path, keys, _src(tmp_path / "src")) as pushed:
+        yield pushed, _flip_last_byte(pushed.store, tmp_path, pushed.first.checkpoint_id)
+
+
 def test_a_full_push_uploads_every_chunk_and_repairs_a_damaged_one(
-    tmp_path: Path, keys: Keys
+    damaged: tuple[Pushed, str],
 ) -> None:
-    src = _src(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        first = store.push(src, workload="w")
-        _flip_last_byte(store, tmp_path, first.checkpoint_id)
-        full = store.push(src, workload="w", parent=first.checkpoint_id, full=True)
-        assert full.chunks_uploaded == full.chunks_total and full.proof == "none"
-        assert store.verify(read_data=True).ok
+    pushed, _ = damaged
+    parent = pushed.first.checkpoint_id
+    full = pushed.store.push(pushed.src, workload="w", parent=parent, full=True)
+    assert full.chunks_uploaded == full.chunks_total and full.proof == "none"
+    assert pushed.store.verify(read_data=True).ok
 
 
 def test_verify_read_data_marks_a_corrupt_chunk_so_the_next_push_replaces_it(
-    tmp_path: Path, keys: Keys
+    damaged: tuple[Pushed, str],
 ) -> None:
-    src = _src(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        first = store.push(src, workload="w")
-        victim = _flip_last_byte(store, tmp_path, first.checkpoint_id)
-        report = store.verify(read_data=True)
-        assert report.damaged == {first.checkpoint_id: [victim]}
-        assert report.index_dropped == 1
-        store.rebuild_index()  # a LIST still shows the object; it stays distrusted
-        again = store.push(src, workload="w")
-        assert again.chunks_uploaded == 1
-        assert store.verify(read_data=True).ok
+    pushed, victim = damaged
+    report = pushed.store.verify(read_data=True)
+    assert report.damaged == {pushed.first.checkpoint_id: [victim]}
+    assert report.index_dropped == 1
+    pushed.store.rebuild_index()  # a LIST still shows the object; it stays distrusted
+    again = pushed.store.push(pushed.src, workload="w")
+    assert again.chunks_uploaded == 1
+    assert pushed.store.verify(read_data=True).ok
 
 
 def test_verify_names_every_damaged_checkpoint_and_drops_the_chunk_from_the_index(

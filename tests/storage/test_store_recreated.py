@@ -20,11 +20,14 @@ import pytest
 
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.layout import chunk_key
+from gpusnap.storage.push import PushResult
 from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import (
     Keys,
     MiB,
+    Pushed,
     file_store,
+    pushed_file_store,
     random_bytes,
     tree_contents,
     write_src,
@@ -42,6 +45,29 @@ def _image(root: Path, seed: int = 1) -> Path:
 def _assert_restores(store: CheckpointStore, checkpoint_id: str, src: Path, dest: Path) -> None:
     store.pull(checkpoint_id, dest)
     assert tree_contents(dest) == tree_contents(src)
+
+
+def _push_again(store: CheckpointStore, src: Path, dest: Path) -> PushResult:
+    """Push ``src`` again: the store then verifies, and the new checkpoint restores to ``dest``
+    byte-identical. The push's result, for what it uploaded."""
+    again = store.push(src, workload="w")
+    assert store.verify().ok
+    _assert_restores(store, again.checkpoint_id, src, dest)
+    return again
+
+
+def _lose_a_chunk(store: CheckpointStore, checkpoint_id: str, file: int) -> str:
+    """Delete the first chunk of the checkpoint's ``file``-th file behind the store's back (an
+    operator's rm, a lifecycle rule); its id."""
+    victim = store.manifest(checkpoint_id).files[file].chunks[0].id
+    store.backend.delete(chunk_key(victim))
+    return victim
+
+
+@pytest.fixture
+def pushed(tmp_path: Path, keys: Keys) -> Iterator[Pushed]:
+    with pushed_file_store(tmp_path, keys, _image(tmp_path / "src")) as pushed:
+        yield pushed
 
 
 @pytest.fixture
@@ -82,31 +108,24 @@ def test_a_push_into_a_wiped_file_store_uploads_every_chunk_again(
     shutil.rmtree(tmp_path / "store")  # the operator wipes the directory
     # A new process (the CLI), with the same cache directory and so the same local index.
     with file_store(tmp_path, keys) as store:
-        second = store.push(src, workload="w")
+        second = _push_again(store, src, tmp_path / "dest")
         assert second.chunks_uploaded == second.chunks_total
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest")
 
 
 def test_a_long_lived_store_handle_notices_its_directory_was_wiped(
-    tmp_path: Path, keys: Keys
+    pushed: Pushed, tmp_path: Path
 ) -> None:
     """The daemon keeps its store open across checkpoints: the same handle pushes again.
 
     (Its directory's contents are wiped; the directory itself stays: a store root that
     vanished may be an unmounted disk, and is never recreated under a running handle.)
     """
-    src = _image(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        store.push(src, workload="w")
-        for child in (tmp_path / "store").iterdir():
-            if child.is_dir():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-        second = store.push(src, workload="w")
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest")
+    for child in (tmp_path / "store").iterdir():
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    _push_again(pushed.store, pushed.src, tmp_path / "dest")
 
 
 @pytest.mark.s3
@@ -122,42 +141,29 @@ def test_a_push_into_an_emptied_or_recreated_bucket_uploads_every_chunk_again(
     src = _image(tmp_path / "src")
     s3_store.push(src, workload="w")
     _empty_bucket(moto_server, s3_bucket, recreate=recreate)
-    second = s3_store.push(src, workload="w")
+    second = _push_again(s3_store, src, tmp_path / "dest")
     assert second.chunks_uploaded == second.chunks_total
-    assert s3_store.verify().ok
-    _assert_restores(s3_store, second.checkpoint_id, src, tmp_path / "dest")
 
 
 def test_a_chunk_lost_behind_the_stores_back_is_uploaded_again_by_the_next_push(
-    tmp_path: Path, keys: Keys
+    pushed: Pushed, tmp_path: Path
 ) -> None:
-    src = _image(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        first = store.push(src, workload="w")
-        victim = store.manifest(first.checkpoint_id).files[-1].chunks[0].id
-        store.backend.delete(chunk_key(victim))  # an operator's rm, a lifecycle rule
-        second = store.push(src, workload="w")
-        assert second.chunks_uploaded >= 1
-        # The chunk is back: both checkpoints restore (chunks are named by their content).
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest-2")
-        _assert_restores(store, first.checkpoint_id, src, tmp_path / "dest-1")
+    _lose_a_chunk(pushed.store, pushed.first.checkpoint_id, file=-1)
+    second = _push_again(pushed.store, pushed.src, tmp_path / "dest-2")
+    assert second.chunks_uploaded >= 1
+    # The chunk is back: both checkpoints restore (chunks are named by their content).
+    _assert_restores(pushed.store, pushed.first.checkpoint_id, pushed.src, tmp_path / "dest-1")
 
 
 def test_after_verify_reports_a_lost_chunk_the_next_push_of_the_same_bytes_restores(
-    tmp_path: Path, keys: Keys
+    pushed: Pushed, tmp_path: Path
 ) -> None:
-    src = _image(tmp_path / "src")
-    with file_store(tmp_path, keys) as store:
-        first = store.push(src, workload="w")
-        victim = store.manifest(first.checkpoint_id).files[0].chunks[0].id
-        store.backend.delete(chunk_key(victim))
-        report = store.verify()
-        assert not report.ok
-        assert any(victim in m and first.checkpoint_id in m for m in report.chunks_missing)
-        second = store.push(src, workload="w")
-        assert store.verify().ok
-        _assert_restores(store, second.checkpoint_id, src, tmp_path / "dest")
+    first = pushed.first.checkpoint_id
+    victim = _lose_a_chunk(pushed.store, first, file=0)
+    report = pushed.store.verify()
+    assert not report.ok
+    assert any(victim in m and first in m for m in report.chunks_missing)
+    _push_again(pushed.store, pushed.src, tmp_path / "dest")
 
 
 def test_a_store_restored_from_an_older_copy_gets_its_lost_chunks_back(
@@ -174,7 +180,5 @@ def test_a_store_restored_from_an_older_copy_gets_its_lost_chunks_back(
     shutil.rmtree(tmp_path / "store")
     shutil.copytree(backup, tmp_path / "store")  # the restore from last night's backup
     with file_store(tmp_path, keys) as store:
-        third = store.push(second_src, workload="w")
+        third = _push_again(store, second_src, tmp_path / "dest")
         assert third.chunks_uploaded >= 1
-        assert store.verify().ok
-        _assert_restores(store, third.checkpoint_id, second_src, tmp_path / "dest")

@@ -87,6 +87,19 @@ def alive(machine: Container, pid: int) -> bool:
     return machine.run("kill", "-0", str(pid), check=False).returncode == 0
 
 
+def stop_units(machine: Container, unit: str, *scopes: str) -> None:
+    """The cleanup after a test's workload: stop the scopes its restores made and its unit, and
+    forget the unit's failure (a checkpoint in kill mode fails it), whatever state each is in."""
+    stop_scopes = f"systemctl stop {' '.join(scopes)} 2>/dev/null || true" if scopes else ""
+    machine.sh(
+        f"""
+        {stop_scopes}
+        systemctl stop {unit} 2>/dev/null || true
+        systemctl reset-failed {unit} 2>/dev/null || true
+        """
+    )
+
+
 # -- the install -----------------------------------------------------------------------------
 
 
@@ -272,7 +285,7 @@ def test_systemctl_stop_during_a_checkpoint_waits_for_it_to_commit(frozen_store:
         listed = json.dumps(gpusnap(machine, "ls", "--workload", "holder"))
         assert finished["result"]["checkpoint_id"] in listed
     finally:
-        machine.sh(f"systemctl stop {unit}; systemctl reset-failed {unit} 2>/dev/null || true")
+        stop_units(machine, unit)
 
 
 def test_a_units_workload_is_restored_into_a_scope_that_outlives_daemon_restarts(
@@ -314,13 +327,7 @@ def test_a_units_workload_is_restored_into_a_scope_that_outlives_daemon_restarts
         assert alive(service, pid)
         assert service.show(scope, "ActiveState")["ActiveState"] == "active"
     finally:
-        service.sh(
-            f"""
-            {f"systemctl stop {scope}" if scope else "true"}
-            systemctl stop {unit} 2>/dev/null || true
-            systemctl reset-failed {unit} 2>/dev/null || true
-            """
-        )
+        stop_units(service, unit, *([scope] if scope else []))
 
 
 def test_a_restored_units_workload_is_found_in_its_scope_which_says_what_it_holds(
@@ -343,13 +350,7 @@ def test_a_restored_units_workload_is_found_in_its_scope_which_says_what_it_hold
             assert (listed["counter"]["running"], listed["counter"]["pid"]) == (True, pid)
         assert len(set(scopes)) == 2
     finally:
-        service.sh(
-            f"""
-            systemctl stop {" ".join(scopes)} 2>/dev/null || true
-            systemctl stop {unit} 2>/dev/null || true
-            systemctl reset-failed {unit} 2>/dev/null || true
-            """
-        )
+        stop_units(service, unit, *scopes)
 
 
 def test_a_unit_that_logs_to_the_journal_is_checkpointed_and_restored(service: Container) -> None:
@@ -379,13 +380,7 @@ def test_a_unit_that_logs_to_the_journal_is_checkpointed_and_restored(service: C
             f"journalctl -u {scope} -o cat --no-pager | grep -q '^count '",
         )
     finally:
-        service.sh(
-            f"""
-            {f"systemctl stop {scope}" if scope else "true"}
-            systemctl stop {unit} 2>/dev/null || true
-            systemctl reset-failed {unit} 2>/dev/null || true
-            """
-        )
+        stop_units(service, unit, *([scope] if scope else []))
 
 
 # -- upgrade, uninstall, CRIU's apt source ---------------------------------------------------
@@ -509,4 +504,4 @@ def test_a_unit_with_a_mount_namespace_of_its_own_is_not_checkpointed(service: C
         assert alive(service, pid)
         assert service.show(unit, "ActiveState")["ActiveState"] == "active"
     finally:
-        service.sh(f"systemctl stop {unit}; systemctl reset-failed {unit} 2>/dev/null || true")
+        stop_units(service, unit)
