@@ -27,14 +27,14 @@ from gpusnap.daemon.containers.model import (
     CheckpointParts,
     ContainerInfo,
     ContainerSpec,
-    write_parts,
 )
 from gpusnap.daemon.containers.oci import spec_from_oci
 from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
+    ContainerRuntime,
+    Dumped,
     RuntimeTool,
-    checkpoint_attempt,
     live_facts,
 )
 from gpusnap.errors import AlreadyExists, FailedPrecondition, NotFound
@@ -51,7 +51,7 @@ _KINDS = {
 }
 
 
-class ContainerdRuntime:
+class ContainerdRuntime(ContainerRuntime):
     """Containers of one containerd daemon and namespace."""
 
     name = "containerd"
@@ -115,47 +115,28 @@ class ContainerdRuntime:
         self.version()
         return bool(image_id) and image_id in self._images().values()
 
-    def checkpoint(
-        self,
-        ref: str,
-        dest: Path,
-        *,
-        leave_running: bool,
-        info: ContainerInfo | None = None,
-        arrivals: Arrivals | None = None,
-    ) -> CheckpointParts:
-        info = info or self.inspect(ref)
-        if not info.running:
-            raise FailedPrecondition(f"containerd: container {ref!r} is not running")
+    def _dump(
+        self, info: ContainerInfo, dest: Path, *, leave_running: bool, arrivals: Arrivals | None
+    ) -> Dumped:
+        ref = info.id
         image = f"localhost/{CHECKPOINT_REPO}/{ref}:{time.time_ns()}"
-        dest.mkdir(parents=True, exist_ok=False)
         fifo = dest.parent / f".{dest.name}.export"
         t0 = time.monotonic()
-        with checkpoint_attempt("containerd", info, dest, lambda: self._task(ref)[1]):
-            self.tool.run(
-                ["containers", "checkpoint", "--task", "--rw", ref, image], what="checkpoint"
-            )
-            seconds = time.monotonic() - t0
-            if not leave_running:
-                self._stop(ref)
-            try:
-                with TarReceiver(fifo, dest, arrivals):
-                    self.tool.run(
-                        ["images", "export", "--skip-manifest-json", str(fifo), image],
-                        what="export",
-                    )
-            finally:
-                self.tool.run(["images", "rm", image], what="images rm", check=False)
-        parts = CheckpointParts(
-            directory=dest,
-            container=info,
-            parts=_classify(dest),
-            leave_running=leave_running,
-            seconds=seconds,
-            extra={"checkpoint_image": image},
-        )
-        log.info("containerd: checkpointed %s in %.2f s (%s)", ref, seconds, parts.sizes())
-        return write_parts(parts)
+        self.tool.run(["containers", "checkpoint", "--task", "--rw", ref, image], what="checkpoint")
+        seconds = time.monotonic() - t0
+        if not leave_running:
+            self._stop(ref)
+        try:
+            with TarReceiver(fifo, dest, arrivals):
+                self.tool.run(
+                    ["images", "export", "--skip-manifest-json", str(fifo), image], what="export"
+                )
+        finally:
+            self.tool.run(["images", "rm", image], what="images rm", check=False)
+        return Dumped(_classify(dest), seconds, {"checkpoint_image": image})
+
+    def _still_running(self, ref: str) -> bool:
+        return self._task(ref)[1]
 
     def _stop(self, ref: str) -> None:
         self.tool.run(["tasks", "kill", "--signal", "SIGKILL", ref], what="kill", check=False)
@@ -167,11 +148,7 @@ class ContainerdRuntime:
     def restore(self, parts: CheckpointParts, *, name: str | None = None) -> ContainerInfo:
         rec = parts.container
         target = name or rec.name
-        if not self.image_present(rec.spec.image_id):
-            raise FailedPrecondition(
-                f"containerd: image {rec.spec.image_id} ({rec.spec.image}) of container "
-                f"{rec.name!r} is not present here; gpusnap never pulls images"
-            )
+        self._require_image(rec)
         try:
             there = self.inspect(target)
         except NotFound:

@@ -35,13 +35,13 @@ from gpusnap.daemon.containers.model import (
     Mount,
     Ulimit,
     index_parts,
-    write_parts,
 )
 from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
+    ContainerRuntime,
+    Dumped,
     RuntimeTool,
-    checkpoint_attempt,
     live_facts,
 )
 from gpusnap.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
@@ -69,7 +69,7 @@ _PODMAN_ANNOTATIONS = (
 )
 
 
-class PodmanRuntime:
+class PodmanRuntime(ContainerRuntime):
     """Containers of one podman storage root."""
 
     name = "podman"
@@ -77,7 +77,6 @@ class PodmanRuntime:
     def __init__(
         self,
         *,
-        binary: str = "podman",
         root: Path | None = None,
         runroot: Path | None = None,
         tmpdir: Path | None = None,
@@ -85,6 +84,7 @@ class PodmanRuntime:
         runtime_root: Path | None = None,
         cgroup_manager: str | None = None,
         events_backend: str | None = None,
+        binary: str = "podman",
         criu: Path = DEFAULT_CRIU,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
@@ -166,58 +166,25 @@ class PodmanRuntime:
 
     # --- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(
-        self,
-        ref: str,
-        dest: Path,
-        *,
-        leave_running: bool,
-        info: ContainerInfo | None = None,
-        arrivals: Arrivals | None = None,
-    ) -> CheckpointParts:
-        info = info or self.inspect(ref)
-        if not info.running:
-            raise FailedPrecondition(f"podman: container {info.name!r} is not running")
-        dest.mkdir(parents=True, exist_ok=False)
+    def _dump(
+        self, info: ContainerInfo, dest: Path, *, leave_running: bool, arrivals: Arrivals | None
+    ) -> Dumped:
         fifo = dest.parent / f".{dest.name}.export"
-        args = [
-            "container",
-            "checkpoint",
-            "--export",
-            str(fifo),
-            "--compress",
-            "none",
-            "--file-locks",
-        ]
+        args = ["container", "checkpoint", "--export", str(fifo), "--compress", "none"]
+        args.append("--file-locks")
         if leave_running:
             args.append("--leave-running")
         t0 = time.monotonic()
-        with (
-            checkpoint_attempt("podman", info, dest, lambda: self.inspect(info.id).running),
-            TarReceiver(fifo, dest, arrivals),
-        ):
+        with TarReceiver(fifo, dest, arrivals):
             self.tool.run([*args, info.id], what="checkpoint")
-        seconds = time.monotonic() - t0
-        parts = CheckpointParts(
-            directory=dest,
-            container=info,
-            parts=index_parts(dest, PARTS, PART_RUNTIME),
-            leave_running=leave_running,
-            seconds=seconds,
-        )
-        log.info("podman: checkpointed %s in %.2f s (%s)", info.name, seconds, parts.sizes())
-        return write_parts(parts)
+        return Dumped(index_parts(dest, PARTS, PART_RUNTIME), time.monotonic() - t0)
 
     # --- restore ---------------------------------------------------------------------
 
     def restore(self, parts: CheckpointParts, *, name: str | None = None) -> ContainerInfo:
         rec = parts.container
         target = name or rec.name
-        if not self.image_present(rec.spec.image_id):
-            raise FailedPrecondition(
-                f"podman: image {rec.spec.image_id} ({rec.spec.image}) of container "
-                f"{rec.name!r} is not present here; gpusnap never pulls images"
-            )
+        self._require_image(rec)
         self._make_room(target, rec)
         archive = parts.directory.parent / f".{parts.directory.name}.import.tar"
         args = ["container", "restore", "--import", str(archive), "--file-locks"]

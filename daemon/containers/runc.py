@@ -34,14 +34,14 @@ from gpusnap.daemon.containers.model import (
     ContainerInfo,
     ContainerSpec,
     index_parts,
-    write_parts,
 )
 from gpusnap.daemon.containers.oci import overlay_upper, spec_from_oci, spec_to_oci
 from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
+    ContainerRuntime,
+    Dumped,
     RuntimeTool,
-    checkpoint_attempt,
     last_line,
     live_facts,
 )
@@ -68,7 +68,7 @@ def _upper_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     return tarfile.tar_filter(member, dest)
 
 
-class RuncRuntime:
+class RuncRuntime(ContainerRuntime):
     """Containers of one runc state root, with bundles and images under gpusnap's dirs."""
 
     name = "runc"
@@ -76,10 +76,10 @@ class RuncRuntime:
     def __init__(
         self,
         *,
-        binary: str = "runc",
         root: Path | None = None,
         bundles: Path = Path("/var/lib/gpusnap/runc/bundles"),
         images: Path = Path("/var/lib/gpusnap/runc/images"),
+        binary: str = "runc",
         criu: Path = DEFAULT_CRIU,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
@@ -124,21 +124,12 @@ class RuncRuntime:
 
     # --- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(
-        self,
-        ref: str,
-        dest: Path,
-        *,
-        leave_running: bool,
-        info: ContainerInfo | None = None,
-        arrivals: Arrivals | None = None,
-    ) -> CheckpointParts:
-        info = info or self.inspect(ref)
-        if not info.running:
-            raise FailedPrecondition(f"runc: container {ref!r} is not running")
+    def _dump(
+        self, info: ContainerInfo, dest: Path, *, leave_running: bool, arrivals: Arrivals | None
+    ) -> Dumped:
+        ref = info.id
         st = self._state(ref)
         bundle = Path(st["bundle"])
-        dest.mkdir(parents=True, exist_ok=False)
         work = dest / "runtime"
         work.mkdir()
         args = ["checkpoint", "--image-path", str(dest / "criu"), "--work-path", str(work)]
@@ -146,27 +137,18 @@ class RuncRuntime:
         if leave_running:
             args.append("--leave-running")
         t0 = time.monotonic()
-        with checkpoint_attempt("runc", info, dest, lambda: self.inspect(ref).running):
-            self.tool.run([*args, ref], what="checkpoint")
-            seconds = time.monotonic() - t0
-            shutil.copyfile(bundle / "config.json", dest / "config.json")
-            upper = overlay_upper(Path(st.get("rootfs") or bundle / "rootfs"))
-            if upper is not None:
-                with tarfile.open(dest / "rootfs-diff.tar", "w", format=tarfile.PAX_FORMAT) as t:
-                    t.add(upper, arcname=".")
-            state_file = self._state_dir(ref) / "state.json"
-            if state_file.exists():
-                shutil.copyfile(state_file, work / "state.json")
-        parts = CheckpointParts(
-            directory=dest,
-            container=info,
-            parts=index_parts(dest, PARTS, PART_RUNTIME),
-            leave_running=leave_running,
-            seconds=seconds,
-            extra={"bundle": str(bundle), "rootfs_diff": upper is not None},
-        )
-        log.info("runc: checkpointed %s in %.2f s (%s)", ref, seconds, parts.sizes())
-        return write_parts(parts)
+        self.tool.run([*args, ref], what="checkpoint")
+        seconds = time.monotonic() - t0
+        shutil.copyfile(bundle / "config.json", dest / "config.json")
+        upper = overlay_upper(Path(st.get("rootfs") or bundle / "rootfs"))
+        if upper is not None:
+            with tarfile.open(dest / "rootfs-diff.tar", "w", format=tarfile.PAX_FORMAT) as t:
+                t.add(upper, arcname=".")
+        state_file = self._state_dir(ref) / "state.json"
+        if state_file.exists():
+            shutil.copyfile(state_file, work / "state.json")
+        extra = {"bundle": str(bundle), "rootfs_diff": upper is not None}
+        return Dumped(index_parts(dest, PARTS, PART_RUNTIME), seconds, extra)
 
     def _state_dir(self, ref: str) -> Path:
         base = self.tool.base_args

@@ -15,14 +15,20 @@ import os
 import re
 import shutil
 import subprocess
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from gpusnap.daemon.containers.archive import Arrivals
-from gpusnap.daemon.containers.model import CheckpointParts, ContainerInfo, ContainerSpec
+from gpusnap.daemon.containers.model import (
+    CheckpointParts,
+    ContainerInfo,
+    ContainerSpec,
+    write_parts,
+)
 from gpusnap.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -38,22 +44,32 @@ DEFAULT_CRIU = Path("/usr/local/sbin/criu")  # scripts/install-criu.sh
 DEFAULT_TIMEOUT = 600.0  # a hang guard on one runtime call, never a performance expectation
 
 
-@runtime_checkable
-class ContainerRuntime(Protocol):
+@dataclass(frozen=True)
+class Dumped:
+    """What a runtime's own checkpoint left in ``dest``: each file with its kind, how long the
+    runtime's checkpoint call took (the container's pause is inside it), and the facts its
+    restore needs again."""
+
+    parts: dict[str, str]
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ContainerRuntime(ABC):
     """A container runtime gpusnap can checkpoint through. One object per runtime and storage
     root; its methods are safe to call from the daemon's job threads one container at a time.
     """
 
     name: str
 
+    @abstractmethod
     def version(self) -> str:
         """The runtime's version ("4.3.1"); ``Unsupported`` when missing or too old."""
-        ...
 
+    @abstractmethod
     def inspect(self, ref: str) -> ContainerInfo:
         """The container ``ref`` (name or id): ids, host pids, image, spec, cgroup limits.
         ``NotFound`` when this runtime has no such container."""
-        ...
 
     def checkpoint(
         self,
@@ -74,27 +90,65 @@ class ContainerRuntime(Protocol):
         said). ``FailedPrecondition`` when the container is not running or exits meanwhile;
         nothing is left in ``dest`` on failure.
         """
-        ...
+        info = info or self.inspect(ref)
+        if not info.running:
+            raise FailedPrecondition(f"{self.name}: container {info.name!r} is not running")
+        dest.mkdir(parents=True, exist_ok=False)
+        with checkpoint_attempt(self.name, info, dest, lambda: self._still_running(info.id)):
+            dumped = self._dump(info, dest, leave_running=leave_running, arrivals=arrivals)
+        parts = CheckpointParts(
+            directory=dest,
+            container=info,
+            parts=dumped.parts,
+            leave_running=leave_running,
+            seconds=dumped.seconds,
+            extra=dumped.extra,
+        )
+        log.info(
+            "%s: checkpointed %s in %.2f s (%s)", self.name, info.name, parts.seconds, parts.sizes()
+        )
+        return write_parts(parts)
 
+    @abstractmethod
+    def _dump(
+        self, info: ContainerInfo, dest: Path, *, leave_running: bool, arrivals: Arrivals | None
+    ) -> Dumped:
+        """The runtime's own checkpoint of the running container ``info`` into ``dest`` (made,
+        empty); ``checkpoint`` cleans up after a failure and writes the record."""
+
+    def _still_running(self, ref: str) -> bool:
+        """Whether ``ref`` still runs (``NotFound`` when it is gone), asked after a failed
+        checkpoint."""
+        return self.inspect(ref).running
+
+    @abstractmethod
     def restore(self, parts: CheckpointParts, *, name: str | None = None) -> ContainerInfo:
         """Restore ``parts`` as a running container named ``name`` (default: the checkpointed
         name) into this runtime's storage. The checkpointed container, stopped, is replaced;
         any other container of that name is ``AlreadyExists``. ``FailedPrecondition`` when the
         image is not present here. Returns the restored container (its new host pids)."""
-        ...
 
+    @abstractmethod
     def image_present(self, image_id: str) -> bool:
         """Whether the image ``image_id`` ("sha256:...") is in this runtime's storage."""
-        ...
 
+    def _require_image(self, rec: ContainerInfo) -> None:
+        """``FailedPrecondition`` unless the image of the checkpointed container ``rec`` is
+        here: a restore never pulls."""
+        if not self.image_present(rec.spec.image_id):
+            raise FailedPrecondition(
+                f"{self.name}: image {rec.spec.image_id} ({rec.spec.image}) of container "
+                f"{rec.name!r} is not present here; gpusnap never pulls images"
+            )
+
+    @abstractmethod
     def create(self, spec: ContainerSpec, *, name: str) -> ContainerInfo:
         """Create and start a fresh container from ``spec`` (a cold start); the image must be
         present (gpusnap never pulls)."""
-        ...
 
+    @abstractmethod
     def remove(self, ref: str) -> None:
         """Stop (SIGKILL) and remove the container ``ref``; nothing when there is none."""
-        ...
 
 
 @dataclass
