@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gpusnap.daemon.checkpoint import record_commit, thaw_after_failure
+from gpusnap.daemon.checkpoint import after_dump, freeze_gpu, record_commit, thawed_on_failure
 from gpusnap.daemon.config import Config, WorkloadConfig
 from gpusnap.daemon.container_stamp import container_stamp, remap_gpu_stamp
 from gpusnap.daemon.container_upload import PartsStreamer, merged
@@ -144,39 +144,25 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     staging = node.dirs.job_staging(ctx.job_id)
     dest = staging / "container"
     seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
-    gpu_memory = MemoryUploads(store, seed_cache=seed)
-    streamer: PartsStreamer | None = None
+    # A first checkpoint uploads everything: overlap that with the runtime's export.
+    arrivals = Arrivals() if parent is None and node.config.daemon.upload_during_dump else None
+    streamer = (
+        PartsStreamer(store, dest, arrivals, compress=plan.compress, seed_cache=seed)
+        if arrivals is not None
+        else None
+    )
     try:
-        ctx.phase(Phase.FREEZE_GPU)
-        t_freeze = time.monotonic()
-        freeze = node.gpu.freeze(pids, custom_storage=gpu_memory.custom_storage())
-        gpu_pause = time.monotonic() - t_freeze if freeze.cuda_pids else 0.0
+        freeze, gpu_pause, gpu_memory = freeze_gpu(node, ctx, store, pids)
 
         ctx.phase(Phase.DUMP)
         prepare = time.time() - job_started
-        # A first checkpoint uploads everything: overlap that with the runtime's export.
-        arrivals = Arrivals() if parent is None and node.config.daemon.upload_during_dump else None
-        if arrivals is not None:
-            streamer = PartsStreamer(store, dest, arrivals, compress=plan.compress, seed_cache=seed)
+        if streamer is not None:
             streamer.start()
-        try:
+        with thawed_on_failure(node, freeze, streamer):
             parts = rt.checkpoint(
                 info.id, dest, leave_running=plan.leave_running, info=info, arrivals=arrivals
             )
-        except GpusnapError:
-            if streamer is not None:
-                streamer.abort()
-            if freeze.cuda_pids:
-                thaw_after_failure(node, freeze)
-            raise
-        if not plan.leave_running:
-            # The container is stopped; from here on cancelling would lose the workload.
-            ctx.cancellable = False
-        if plan.leave_running and freeze.cuda_pids:
-            ctx.phase(Phase.THAW)
-            t_thaw = time.monotonic()
-            node.gpu.thaw(freeze)
-            gpu_pause += time.monotonic() - t_thaw
+        gpu_pause += after_dump(node, ctx, freeze, leave_running=plan.leave_running)
         pause = parts.pause_seconds() + gpu_pause
         summary = info.summary()
         sizes = parts.sizes()

@@ -33,6 +33,7 @@ from gpusnap.daemon.containers.model import (
     CheckpointParts,
     ContainerInfo,
     ContainerSpec,
+    Dumped,
     index_parts,
 )
 from gpusnap.daemon.containers.oci import overlay_upper, spec_from_oci, spec_to_oci
@@ -40,16 +41,13 @@ from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
     ContainerRuntime,
-    Dumped,
     RuntimeTool,
     last_line,
-    live_facts,
 )
 from gpusnap.errors import AlreadyExists, FailedPrecondition, NotFound
 
 log = logging.getLogger(__name__)
 
-MIN_VERSION = (1, 1)
 IMAGE_ANNOTATION = "io.gpusnap.image.id"
 PARTS = {
     "criu/": PART_CRIU,
@@ -72,6 +70,7 @@ class RuncRuntime(ContainerRuntime):
     """Containers of one runc state root, with bundles and images under gpusnap's dirs."""
 
     name = "runc"
+    min_version = (1, 1)
 
     def __init__(
         self,
@@ -88,9 +87,6 @@ class RuncRuntime(ContainerRuntime):
         self.bundles = bundles
         self.images = images
 
-    def version(self) -> str:
-        return self.tool.version(["--version"], MIN_VERSION)
-
     def _state(self, ref: str) -> dict[str, Any]:
         self.version()
         proc = self.tool.run(["state", ref], what="state", check=False)
@@ -102,18 +98,13 @@ class RuncRuntime(ContainerRuntime):
         st = self._state(ref)
         bundle = Path(st["bundle"])
         config = json.loads((bundle / "config.json").read_text())
-        running = st.get("status") == "running"
-        pids, limits = live_facts(int(st.get("pid") or 0), running)
         annotations = config.get("annotations") or {}
-        return ContainerInfo(
+        return self._container(
             id=str(st["id"]),
             name=str(st["id"]),
-            runtime=self.name,
-            runtime_version=self.version(),
-            running=running and bool(pids),
-            pids=pids,
+            init_pid=int(st.get("pid") or 0),
+            running=st.get("status") == "running",
             spec=spec_from_oci(config, image_id=str(annotations.get(IMAGE_ANNOTATION, ""))),
-            cgroup_limits=limits,
         )
 
     def image_present(self, image_id: str) -> bool:
@@ -191,21 +182,9 @@ class RuncRuntime(ContainerRuntime):
             shutil.rmtree(work, ignore_errors=True)
         return self.inspect(target)
 
-    def _make_room(self, target: str, rec: ContainerInfo) -> None:
-        try:
-            there = self.inspect(target)
-        except NotFound:
-            return
-        if there.running:
-            raise AlreadyExists(
-                f"runc: container {target!r} is running; restore under a new name (--name NEW)"
-            )
-        if target != rec.name:
-            raise AlreadyExists(
-                f"runc: another container is named {target!r}; restore under a new name "
-                "(--name NEW)"
-            )
-        self.tool.run(["delete", "--force", target], what="delete")
+    def _discard(self, stopped: ContainerInfo) -> None:
+        # Not ``remove``: an in-place restore runs from this container's bundle again.
+        self.tool.run(["delete", "--force", stopped.id], what="delete")
 
     # --- bundles, cold start, cleanup ------------------------------------------------
 

@@ -27,9 +27,11 @@ from gpusnap.daemon.containers.model import (
     CheckpointParts,
     ContainerInfo,
     ContainerSpec,
+    Dumped,
     write_parts,
 )
 from gpusnap.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     GpusnapError,
@@ -44,32 +46,50 @@ DEFAULT_CRIU = Path("/usr/local/sbin/criu")  # scripts/install-criu.sh
 DEFAULT_TIMEOUT = 600.0  # a hang guard on one runtime call, never a performance expectation
 
 
-@dataclass(frozen=True)
-class Dumped:
-    """What a runtime's own checkpoint left in ``dest``: each file with its kind, how long the
-    runtime's checkpoint call took (the container's pause is inside it), and the facts its
-    restore needs again."""
-
-    parts: dict[str, str]
-    seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class ContainerRuntime(ABC):
     """A container runtime gpusnap can checkpoint through. One object per runtime and storage
     root; its methods are safe to call from the daemon's job threads one container at a time.
     """
 
     name: str
+    min_version: tuple[int, ...]  # the oldest release gpusnap drives
+    version_args: tuple[str, ...] = ("--version",)  # what makes the tool print its version
+    tool: RuntimeTool
 
-    @abstractmethod
     def version(self) -> str:
         """The runtime's version ("4.3.1"); ``Unsupported`` when missing or too old."""
+        return self.tool.version(self.version_args, self.min_version)
 
     @abstractmethod
     def inspect(self, ref: str) -> ContainerInfo:
         """The container ``ref`` (name or id): ids, host pids, image, spec, cgroup limits.
         ``NotFound`` when this runtime has no such container."""
+
+    def _container(
+        self,
+        *,
+        id: str,
+        name: str,
+        init_pid: int,
+        running: bool,
+        spec: ContainerSpec,
+        image_digests: tuple[str, ...] = (),
+    ) -> ContainerInfo:
+        """What ``inspect`` returns for a container whose init is ``init_pid``, as the runtime
+        said it is: its host pids and cgroup limits read now, running only while it has
+        processes."""
+        pids, limits = live_facts(init_pid, running)
+        return ContainerInfo(
+            id=id,
+            name=name,
+            runtime=self.name,
+            runtime_version=self.version(),
+            running=running and bool(pids),
+            pids=pids,
+            spec=spec,
+            cgroup_limits=limits,
+            image_digests=image_digests,
+        )
 
     def checkpoint(
         self,
@@ -127,6 +147,29 @@ class ContainerRuntime(ABC):
         name) into this runtime's storage. The checkpointed container, stopped, is replaced;
         any other container of that name is ``AlreadyExists``. ``FailedPrecondition`` when the
         image is not present here. Returns the restored container (its new host pids)."""
+
+    def _make_room(self, target: str, rec: ContainerInfo) -> None:
+        """Before a restore as ``target``: remove the stopped container the checkpoint ``rec``
+        was taken from, so its name is free; refuse to touch anything else."""
+        try:
+            there = self.inspect(target)
+        except NotFound:
+            return
+        if there.running:
+            raise AlreadyExists(
+                f"{self.name}: container {target!r} is running; restore under a new name "
+                "(--name NEW)"
+            )
+        if there.id != rec.id:
+            raise AlreadyExists(
+                f"{self.name}: another container is named {target!r}; restore under a new name "
+                "(--name NEW)"
+            )
+        self._discard(there)
+
+    def _discard(self, stopped: ContainerInfo) -> None:
+        """Remove the stopped checkpointed container ``_make_room`` found."""
+        self.remove(stopped.id)
 
     @abstractmethod
     def image_present(self, image_id: str) -> bool:
