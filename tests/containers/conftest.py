@@ -32,6 +32,7 @@ from gpusnap.daemon.containers import (
     PodmanRuntime,
     Ulimit,
 )
+from gpusnap.errors import Internal
 from tests.containers.image import IMAGE_REF, WORKLOAD_DIR, image_archive
 from tests.e2e.conftest import Nodes as Daemons
 from tests.support.criu import criu_or_skip
@@ -196,9 +197,18 @@ def rw_log(node: Node, name: str, dest: Path) -> bytes:
 
 def rw_log_once_exited(node: Node, name: str, dest: Path) -> bytes:
     """``rw_log`` read once the container has exited: a podman cp during its exit once found
-    nothing."""
+    nothing, and one just after it can still meet the rootfs being unmounted by podman's
+    cleanup ("changing to intended-new-root directory ... no such file"): asked again until it
+    answers."""
     wait_exited(node, name)
-    return rw_log(node, name, dest)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            return rw_log(node, name, dest)
+        except Internal:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def exiting_at_checkpoint(spec: ContainerSpec, tmp: Path) -> ContainerSpec:
