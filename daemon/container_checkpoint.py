@@ -16,7 +16,7 @@ import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -63,24 +63,34 @@ def check_container_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class ContainerCheckpointPlan:
-    """What the service decided a container checkpoint takes: the container (by id, in
-    ``runtime``), the workload it is stored as, and how."""
+    """What the service decided a container checkpoint takes: the container (as the service
+    saw it), the workload it is stored as, and how."""
 
-    runtime: str
-    container_id: str
-    container_name: str
+    info: ContainerInfo
     workload: str
     config: WorkloadConfig | None
     leave_running: bool
     compress: bool | None = None
-    # The service's look at the container, and when (time.monotonic()): a job that starts
-    # within FRESH_S of it uses it instead of asking the runtime again (one call less of
-    # the trigger-to-commit time); a job that waited in the queue looks again.
-    info: ContainerInfo | None = None
-    inspected_at: float = 0.0
+    # When the service looked at the container (time.monotonic(); the plan is made right
+    # after): a job that starts within FRESH_S of it uses ``info`` instead of asking the
+    # runtime again (one call less of the trigger-to-commit time); a job that waited in the
+    # queue looks again.
+    inspected_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def runtime(self) -> str:
+        return self.info.runtime
+
+    @property
+    def container_id(self) -> str:
+        return self.info.id
+
+    @property
+    def container_name(self) -> str:
+        return self.info.name
 
     def fresh_info(self) -> ContainerInfo | None:
-        if self.info is not None and time.monotonic() - self.inspected_at < FRESH_S:
+        if time.monotonic() - self.inspected_at < FRESH_S:
             return self.info
         return None
 
@@ -110,15 +120,7 @@ def container_plan(
     name = workload.name if workload is not None else info.name
     check_workload(name)
     return ContainerCheckpointPlan(
-        runtime=rt.name,
-        container_id=info.id,
-        container_name=info.name,
-        workload=name,
-        config=workload,
-        leave_running=leave_running,
-        compress=compress,
-        info=info,
-        inspected_at=time.monotonic(),
+        info, workload=name, config=workload, leave_running=leave_running, compress=compress
     )
 
 
