@@ -63,8 +63,8 @@ def check_container_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class ContainerCheckpointPlan:
-    """What the service decided a container checkpoint takes: the container (as the service
-    saw it), the workload it is stored as, and how."""
+    """What the service decided a container checkpoint takes: the container (``info``, as the
+    service saw it: its runtime, its id), the workload it is stored as, and how."""
 
     info: ContainerInfo
     workload: str
@@ -76,18 +76,6 @@ class ContainerCheckpointPlan:
     # runtime again (one call less of the trigger-to-commit time); a job that waited in the
     # queue looks again.
     inspected_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def runtime(self) -> str:
-        return self.info.runtime
-
-    @property
-    def container_id(self) -> str:
-        return self.info.id
-
-    @property
-    def container_name(self) -> str:
-        return self.info.name
 
     def fresh_info(self) -> ContainerInfo | None:
         if time.monotonic() - self.inspected_at < FRESH_S:
@@ -131,8 +119,8 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     latest = store.latest(plan.workload)
     parent = latest.checkpoint_id if latest is not None else None
 
-    rt = node.containers.get(plan.runtime)
-    info = plan.fresh_info() or rt.inspect(plan.container_id)
+    rt = node.containers.get(plan.info.runtime)
+    info = plan.fresh_info() or rt.inspect(plan.info.id)
     if not info.running:
         raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
     pids = list(info.pids)
