@@ -17,11 +17,14 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from gpusnap.daemon import progress
 from gpusnap.daemon.config import WorkloadConfig
+from gpusnap.daemon.gpu.adapter import Freeze
 from gpusnap.daemon.gpu_memory import MemoryUploads
 from gpusnap.daemon.gpu_tree import nccl_by_pid, with_processes
 from gpusnap.daemon.hooks import JobHooks
@@ -38,6 +41,7 @@ from gpusnap.daemon.rescue import Rescue
 from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.storecheck import StoreChecker
 from gpusnap.errors import GpusnapError, with_message
+from gpusnap.storage import CheckpointStore
 from gpusnap.storage.push import PushResult
 from gpusnap.storage.streams import UploadedStreams
 
@@ -92,13 +96,9 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     images = staging / "images"
     dump_log = node.dirs.logs / f"{ctx.job_id}-dump.log"
     seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
-    gpu_memory = MemoryUploads(store, seed_cache=seed)
     pages: PageStreamer | None = None
     try:
-        ctx.phase(Phase.FREEZE_GPU)
-        t_freeze = time.monotonic()
-        freeze = node.gpu.freeze(pids, custom_storage=gpu_memory.custom_storage())
-        gpu_pause = time.monotonic() - t_freeze if freeze.cuda_pids else 0.0
+        freeze, gpu_pause, gpu_memory = freeze_gpu(node, ctx, store, pids)
 
         ctx.phase(Phase.DUMP)
         # Accepted -> CRIU starts: queueing, the store's latest, the look at the tree, stamps.
@@ -118,25 +118,11 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         if parent is None and node.config.daemon.upload_during_dump:
             pages = PageStreamer(store, images, compress=plan.compress, seed_cache=seed)
             pages.start()
-        try:
-            with progress.dumping(ctx, images, pids):
-                dump = node.criu.dump(
-                    look.tree[0].pid, images, leave_running=plan.leave_running, log_path=dump_log
-                )
-        except GpusnapError:
-            if pages is not None:
-                pages.abort()
-            if freeze.cuda_pids:
-                thaw_after_failure(node, freeze)
-            raise
-        if not plan.leave_running:
-            # The tree is gone; from here on cancelling would lose the workload.
-            ctx.cancellable = False
-        if plan.leave_running and freeze.cuda_pids:
-            ctx.phase(Phase.THAW)
-            t_thaw = time.monotonic()
-            node.gpu.thaw(freeze)
-            gpu_pause += time.monotonic() - t_thaw
+        with thawed_on_failure(node, freeze, pages), progress.dumping(ctx, images, pids):
+            dump = node.criu.dump(
+                look.tree[0].pid, images, leave_running=plan.leave_running, log_path=dump_log
+            )
+        gpu_pause += after_dump(node, ctx, freeze, leave_running=plan.leave_running)
         if plan.leave_running:
             hooks.post_thaw(pids)  # the pause is over: let the engine go on before the upload
         pause = dump.pause_seconds + gpu_pause
@@ -272,6 +258,53 @@ def _uploaded_streams(
     merged.merge(gpu)
     merged.merge(streamed)
     return merged
+
+
+def freeze_gpu(
+    node: Node, ctx: JobContext, store: CheckpointStore, pids: list[int]
+) -> tuple[Freeze, float, MemoryUploads]:
+    """The FREEZE_GPU phase of a checkpoint (a container's too): the CUDA processes of ``pids``
+    locked and checkpointed. The freeze, the seconds it paused them (none when there were
+    none), and where their device memory went (to ``store`` as it is read, where the driver
+    lets it; seeding this node's chunk cache as ``[cache] seed`` says)."""
+    gpu_memory = MemoryUploads(store, seed_cache=node.config.cache.seed)
+    ctx.phase(Phase.FREEZE_GPU)
+    t_freeze = time.monotonic()
+    freeze = node.gpu.freeze(pids, custom_storage=gpu_memory.custom_storage())
+    gpu_pause = time.monotonic() - t_freeze if freeze.cuda_pids else 0.0
+    return freeze, gpu_pause, gpu_memory
+
+
+class _Abortable(Protocol):
+    def abort(self) -> None: ...
+
+
+@contextmanager
+def thawed_on_failure(node: Node, freeze: Freeze, upload: _Abortable | None) -> Iterator[None]:
+    """Around the dump (CRIU's or a runtime's): when it fails, the upload that followed it
+    stops and the frozen processes get their GPU state back."""
+    try:
+        yield
+    except GpusnapError:
+        if upload is not None:
+            upload.abort()
+        if freeze.cuda_pids:
+            thaw_after_failure(node, freeze)
+        raise
+
+
+def after_dump(node: Node, ctx: JobContext, freeze: Freeze, *, leave_running: bool) -> float:
+    """After a good dump: a killed workload can no longer be cancelled (that would lose it); a
+    running one gets its GPU state back (the THAW phase). The seconds the thaw paused it."""
+    if not leave_running:
+        ctx.cancellable = False
+        return 0.0
+    if not freeze.cuda_pids:
+        return 0.0
+    ctx.phase(Phase.THAW)
+    t_thaw = time.monotonic()
+    node.gpu.thaw(freeze)
+    return time.monotonic() - t_thaw
 
 
 def thaw_after_failure(node: Node, freeze: Any) -> None:

@@ -16,11 +16,11 @@ import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gpusnap.daemon.checkpoint import record_commit, thaw_after_failure
+from gpusnap.daemon.checkpoint import after_dump, freeze_gpu, record_commit, thawed_on_failure
 from gpusnap.daemon.config import Config, WorkloadConfig
 from gpusnap.daemon.container_stamp import container_stamp, remap_gpu_stamp
 from gpusnap.daemon.container_upload import PartsStreamer, merged
@@ -63,24 +63,22 @@ def check_container_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class ContainerCheckpointPlan:
-    """What the service decided a container checkpoint takes: the container (by id, in
-    ``runtime``), the workload it is stored as, and how."""
+    """What the service decided a container checkpoint takes: the container (``info``, as the
+    service saw it: its runtime, its id), the workload it is stored as, and how."""
 
-    runtime: str
-    container_id: str
-    container_name: str
+    info: ContainerInfo
     workload: str
     config: WorkloadConfig | None
     leave_running: bool
     compress: bool | None = None
-    # The service's look at the container, and when (time.monotonic()): a job that starts
-    # within FRESH_S of it uses it instead of asking the runtime again (one call less of
-    # the trigger-to-commit time); a job that waited in the queue looks again.
-    info: ContainerInfo | None = None
-    inspected_at: float = 0.0
+    # When the service looked at the container (time.monotonic(); the plan is made right
+    # after): a job that starts within FRESH_S of it uses ``info`` instead of asking the
+    # runtime again (one call less of the trigger-to-commit time); a job that waited in the
+    # queue looks again.
+    inspected_at: float = field(default_factory=time.monotonic)
 
     def fresh_info(self) -> ContainerInfo | None:
-        if self.info is not None and time.monotonic() - self.inspected_at < FRESH_S:
+        if time.monotonic() - self.inspected_at < FRESH_S:
             return self.info
         return None
 
@@ -110,15 +108,7 @@ def container_plan(
     name = workload.name if workload is not None else info.name
     check_workload(name)
     return ContainerCheckpointPlan(
-        runtime=rt.name,
-        container_id=info.id,
-        container_name=info.name,
-        workload=name,
-        config=workload,
-        leave_running=leave_running,
-        compress=compress,
-        info=info,
-        inspected_at=time.monotonic(),
+        info, workload=name, config=workload, leave_running=leave_running, compress=compress
     )
 
 
@@ -129,8 +119,8 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     latest = store.latest(plan.workload)
     parent = latest.checkpoint_id if latest is not None else None
 
-    rt = node.containers.get(plan.runtime)
-    info = plan.fresh_info() or rt.inspect(plan.container_id)
+    rt = node.containers.get(plan.info.runtime)
+    info = plan.fresh_info() or rt.inspect(plan.info.id)
     if not info.running:
         raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
     pids = list(info.pids)
@@ -144,39 +134,25 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     staging = node.dirs.job_staging(ctx.job_id)
     dest = staging / "container"
     seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
-    gpu_memory = MemoryUploads(store, seed_cache=seed)
-    streamer: PartsStreamer | None = None
+    # A first checkpoint uploads everything: overlap that with the runtime's export.
+    arrivals = Arrivals() if parent is None and node.config.daemon.upload_during_dump else None
+    streamer = (
+        PartsStreamer(store, dest, arrivals, compress=plan.compress, seed_cache=seed)
+        if arrivals is not None
+        else None
+    )
     try:
-        ctx.phase(Phase.FREEZE_GPU)
-        t_freeze = time.monotonic()
-        freeze = node.gpu.freeze(pids, custom_storage=gpu_memory.custom_storage())
-        gpu_pause = time.monotonic() - t_freeze if freeze.cuda_pids else 0.0
+        freeze, gpu_pause, gpu_memory = freeze_gpu(node, ctx, store, pids)
 
         ctx.phase(Phase.DUMP)
         prepare = time.time() - job_started
-        # A first checkpoint uploads everything: overlap that with the runtime's export.
-        arrivals = Arrivals() if parent is None and node.config.daemon.upload_during_dump else None
-        if arrivals is not None:
-            streamer = PartsStreamer(store, dest, arrivals, compress=plan.compress, seed_cache=seed)
+        if streamer is not None:
             streamer.start()
-        try:
+        with thawed_on_failure(node, freeze, streamer):
             parts = rt.checkpoint(
                 info.id, dest, leave_running=plan.leave_running, info=info, arrivals=arrivals
             )
-        except GpusnapError:
-            if streamer is not None:
-                streamer.abort()
-            if freeze.cuda_pids:
-                thaw_after_failure(node, freeze)
-            raise
-        if not plan.leave_running:
-            # The container is stopped; from here on cancelling would lose the workload.
-            ctx.cancellable = False
-        if plan.leave_running and freeze.cuda_pids:
-            ctx.phase(Phase.THAW)
-            t_thaw = time.monotonic()
-            node.gpu.thaw(freeze)
-            gpu_pause += time.monotonic() - t_thaw
+        gpu_pause += after_dump(node, ctx, freeze, leave_running=plan.leave_running)
         pause = parts.pause_seconds() + gpu_pause
         summary = info.summary()
         sizes = parts.sizes()

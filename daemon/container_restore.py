@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.container_stamp import recorded_container, recorded_ns_pids, remap_gpu_stamp
@@ -25,11 +26,42 @@ from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import AlreadyExists, Corrupt, GpusnapError, NotFound, with_message
-from gpusnap.storage import Manifest
-from gpusnap.storage.pull import PullStats
+from gpusnap.storage import CheckpointStore, Manifest
+from gpusnap.storage.pull import PullResult, PullStats
 from gpusnap.storage.streams import GPU_MEMORY_KIND
 
 log = logging.getLogger(__name__)
+
+
+def pull_into_staging(
+    store: CheckpointStore, ctx: JobContext, checkpoint_id: str, dest: Path
+) -> PullResult:
+    """A restore's FETCH phase (a process tree's too): the checkpoint but its GPU memory pulled
+    into ``dest``, and counted in the metrics. CRIU or the runtime reads it once and it is thrown
+    away: through the page cache, not synced."""
+    ctx.phase(Phase.FETCH)
+    pulled = store.pull(
+        checkpoint_id,
+        dest,
+        progress=ctx.progress,
+        exclude_kinds=(GPU_MEMORY_KIND,),
+        direct=False,
+        durable=False,
+    )
+    METRICS.observe_fetch("restore", fetched=pulled.bytes_fetched, cached=pulled.bytes_cached)
+    return pulled
+
+
+def fetch_figures(pulled: PullResult, streamed: PullStats) -> dict[str, Any]:
+    """What a restore's result says of its fetch: the pull's time, and the staged files and the
+    device memory streams together: from the store, from the node's chunk cache instead, and
+    their logical size."""
+    return {
+        "fetch_seconds": round(pulled.seconds, 6),
+        "bytes_fetched": pulled.bytes_fetched + streamed.bytes_fetched,
+        "bytes_cached": pulled.bytes_cached + streamed.bytes_cached,
+        "bytes_total": pulled.bytes_total + streamed.bytes_total,
+    }
 
 
 def run_container_restore(
@@ -48,18 +80,8 @@ def run_container_restore(
     staging = node.dirs.job_staging(ctx.job_id)
     dest = staging / "container"
     try:
-        ctx.phase(Phase.FETCH)
         prepare = time.time() - job_started
-        # Read once by the runtime and thrown away: through the page cache, not synced.
-        pulled = store.pull(
-            manifest.checkpoint_id,
-            dest,
-            progress=ctx.progress,
-            exclude_kinds=(GPU_MEMORY_KIND,),
-            direct=False,
-            durable=False,
-        )
-        METRICS.observe_fetch("restore", fetched=pulled.bytes_fetched, cached=pulled.bytes_cached)
+        pulled = pull_into_staging(store, ctx, manifest.checkpoint_id, dest)
         parts = load_parts(dest)
         if parts.container.id != recorded.id:
             raise Corrupt(
@@ -95,12 +117,7 @@ def run_container_restore(
             reasons=[],
             container=info.summary(),
             prepare_seconds=round(prepare, 6),
-            fetch_seconds=round(pulled.seconds, 6),
-            # The parts and the device memory streams: from the store, from the node's chunk
-            # cache instead, and their logical size (as a process tree's restore).
-            bytes_fetched=pulled.bytes_fetched + streamed.bytes_fetched,
-            bytes_cached=pulled.bytes_cached + streamed.bytes_cached,
-            bytes_total=pulled.bytes_total + streamed.bytes_total,
+            **fetch_figures(pulled, streamed),
             restore_seconds=round(restore_seconds, 6),
             seconds=round(time.time() - job_started, 6),
         )

@@ -14,7 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.daemon.container_restore import run_container_restore
+from gpusnap.daemon.container_restore import (
+    fetch_figures,
+    pull_into_staging,
+    run_container_restore,
+)
 from gpusnap.daemon.container_stamp import is_container
 from gpusnap.daemon.gpu_memory import committed_source
 from gpusnap.daemon.gpu_tree import give_up
@@ -29,7 +33,6 @@ from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage import CheckpointStore, Manifest
 from gpusnap.storage.pull import PullStats
-from gpusnap.storage.streams import GPU_MEMORY_KIND
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +83,9 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
     images = staging / "images"
     restore_log = node.dirs.logs / f"{ctx.job_id}-restore.log"
     try:
-        ctx.phase(Phase.FETCH)
         # Accepted -> the pull starts: the manifest, the compatibility gate, the pid check.
         prepare = time.time() - job_started
-        # Staging: CRIU reads these files the moment the pull ends and they are deleted
-        # after: through the page cache, and not synced.
-        pulled = store.pull(
-            manifest.checkpoint_id,
-            images,
-            progress=ctx.progress,
-            exclude_kinds=(GPU_MEMORY_KIND,),
-            direct=False,
-            durable=False,
-        )
-        METRICS.observe_fetch("restore", fetched=pulled.bytes_fetched, cached=pulled.bytes_cached)
+        pulled = pull_into_staging(store, ctx, manifest.checkpoint_id, images)
         ctx.phase(Phase.RESTORE_PROCESS)
         # From here the tree runs (or is being made to): a cancel could only orphan it.
         ctx.cancellable = False
@@ -136,12 +128,7 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
             pids=tree,
             reasons=[],
             prepare_seconds=round(prepare, 6),
-            fetch_seconds=round(pulled.seconds, 6),
-            # The image and the device memory streams together: from the store, from the
-            # node's chunk cache instead, and their logical size.
-            bytes_fetched=pulled.bytes_fetched + streamed.bytes_fetched,
-            bytes_cached=pulled.bytes_cached + streamed.bytes_cached,
-            bytes_total=pulled.bytes_total + streamed.bytes_total,
+            **fetch_figures(pulled, streamed),
             restore_seconds=round(restored.wall_seconds, 6),
             # CRIU's own account (--display-stats): its time restoring, pages it wrote.
             criu_restore_time_seconds=round(restored.stats.get("Restore time", 0) / 1e6, 6),

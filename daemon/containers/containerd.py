@@ -13,48 +13,33 @@ The image id is the image's target digest in containerd's store (``ctr images ls
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 from gpusnap.daemon.containers.archive import Arrivals, TarReceiver, pack
-from gpusnap.daemon.containers.model import (
-    PART_CONFIG,
-    PART_CRIU,
-    PART_ROOTFS,
-    PART_RUNTIME,
-    CheckpointParts,
-    ContainerInfo,
-    ContainerSpec,
-    write_parts,
-)
+from gpusnap.daemon.containers.containerd_format import parts_of_layout
+from gpusnap.daemon.containers.model import CheckpointParts, ContainerInfo, ContainerSpec, Dumped
 from gpusnap.daemon.containers.oci import spec_from_oci
 from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
+    ContainerRuntime,
     RuntimeTool,
-    checkpoint_attempt,
-    live_facts,
 )
 from gpusnap.errors import AlreadyExists, FailedPrecondition, NotFound
 
 log = logging.getLogger(__name__)
 
-MIN_VERSION = (1, 6)
 CHECKPOINT_REPO = "gpusnap-checkpoint"
-_KINDS = {
-    "application/vnd.containerd.container.criu.checkpoint.criu.tar": PART_CRIU,
-    "application/vnd.oci.image.layer.v1.tar+gzip": PART_ROOTFS,
-    "application/vnd.oci.image.layer.v1.tar": PART_ROOTFS,
-    "application/vnd.containerd.container.checkpoint.config.v1+proto": PART_CONFIG,
-}
 
 
-class ContainerdRuntime:
+class ContainerdRuntime(ContainerRuntime):
     """Containers of one containerd daemon and namespace."""
 
     name = "containerd"
+    min_version = (1, 6)
+    version_args = ("version",)
 
     def __init__(
         self,
@@ -67,9 +52,6 @@ class ContainerdRuntime:
     ) -> None:
         args = ["--address", str(address), "--namespace", namespace]
         self.tool = RuntimeTool("containerd", binary, args, criu=criu, timeout=timeout)
-
-    def version(self) -> str:
-        return self.tool.version(["version"], MIN_VERSION)
 
     def _images(self) -> dict[str, str]:
         """Image name → target digest."""
@@ -96,18 +78,14 @@ class ContainerdRuntime:
             raise NotFound(f"containerd: no container {ref!r}")
         d = self.tool.json(proc, "info")
         pid, running = self._task(ref)
-        pids, limits = live_facts(pid, running)
         image = str(d.get("Image", ""))
         digest = self._images().get(image, "")
-        return ContainerInfo(
+        return self._container(
             id=str(d["ID"]),
             name=str(d["ID"]),
-            runtime=self.name,
-            runtime_version=self.version(),
-            running=running and bool(pids),
-            pids=pids,
+            init_pid=pid,
+            running=running,
             spec=spec_from_oci(d.get("Spec") or {}, image_id=digest, image=image),
-            cgroup_limits=limits,
             image_digests=(digest,) if digest else (),
         )
 
@@ -115,47 +93,28 @@ class ContainerdRuntime:
         self.version()
         return bool(image_id) and image_id in self._images().values()
 
-    def checkpoint(
-        self,
-        ref: str,
-        dest: Path,
-        *,
-        leave_running: bool,
-        info: ContainerInfo | None = None,
-        arrivals: Arrivals | None = None,
-    ) -> CheckpointParts:
-        info = info or self.inspect(ref)
-        if not info.running:
-            raise FailedPrecondition(f"containerd: container {ref!r} is not running")
+    def _dump(
+        self, info: ContainerInfo, dest: Path, *, leave_running: bool, arrivals: Arrivals | None
+    ) -> Dumped:
+        ref = info.id
         image = f"localhost/{CHECKPOINT_REPO}/{ref}:{time.time_ns()}"
-        dest.mkdir(parents=True, exist_ok=False)
         fifo = dest.parent / f".{dest.name}.export"
         t0 = time.monotonic()
-        with checkpoint_attempt("containerd", info, dest, lambda: self._task(ref)[1]):
-            self.tool.run(
-                ["containers", "checkpoint", "--task", "--rw", ref, image], what="checkpoint"
-            )
-            seconds = time.monotonic() - t0
-            if not leave_running:
-                self._stop(ref)
-            try:
-                with TarReceiver(fifo, dest, arrivals):
-                    self.tool.run(
-                        ["images", "export", "--skip-manifest-json", str(fifo), image],
-                        what="export",
-                    )
-            finally:
-                self.tool.run(["images", "rm", image], what="images rm", check=False)
-        parts = CheckpointParts(
-            directory=dest,
-            container=info,
-            parts=_classify(dest),
-            leave_running=leave_running,
-            seconds=seconds,
-            extra={"checkpoint_image": image},
-        )
-        log.info("containerd: checkpointed %s in %.2f s (%s)", ref, seconds, parts.sizes())
-        return write_parts(parts)
+        self.tool.run(["containers", "checkpoint", "--task", "--rw", ref, image], what="checkpoint")
+        seconds = time.monotonic() - t0
+        if not leave_running:
+            self._stop(ref)
+        try:
+            with TarReceiver(fifo, dest, arrivals):
+                self.tool.run(
+                    ["images", "export", "--skip-manifest-json", str(fifo), image], what="export"
+                )
+        finally:
+            self.tool.run(["images", "rm", image], what="images rm", check=False)
+        return Dumped(parts_of_layout(dest), seconds, {"checkpoint_image": image})
+
+    def _still_running(self, ref: str) -> bool:
+        return self._task(ref)[1]
 
     def _stop(self, ref: str) -> None:
         self.tool.run(["tasks", "kill", "--signal", "SIGKILL", ref], what="kill", check=False)
@@ -167,11 +126,7 @@ class ContainerdRuntime:
     def restore(self, parts: CheckpointParts, *, name: str | None = None) -> ContainerInfo:
         rec = parts.container
         target = name or rec.name
-        if not self.image_present(rec.spec.image_id):
-            raise FailedPrecondition(
-                f"containerd: image {rec.spec.image_id} ({rec.spec.image}) of container "
-                f"{rec.name!r} is not present here; gpusnap never pulls images"
-            )
+        self._require_image(rec)
         try:
             there = self.inspect(target)
         except NotFound:
@@ -214,22 +169,3 @@ class ContainerdRuntime:
         self.version()
         self._stop(ref)
         self.tool.run(["containers", "rm", ref], what="rm", check=False)
-
-
-def _classify(layout: Path) -> dict[str, str]:
-    """Each file of the exported OCI layout with its kind, from the checkpoint index."""
-    parts = {"index.json": PART_RUNTIME, "oci-layout": PART_RUNTIME}
-    index = json.loads((layout / "index.json").read_text())
-    for top in index.get("manifests") or ():
-        blob = f"blobs/{top['digest'].replace(':', '/')}"
-        parts[blob] = PART_RUNTIME
-        inner = json.loads((layout / blob).read_text())
-        for d in inner.get("manifests") or ():
-            rel = f"blobs/{d['digest'].replace(':', '/')}"
-            if (layout / rel).is_file():
-                parts[rel] = _KINDS.get(str(d.get("mediaType")), PART_RUNTIME)
-    for f in layout.rglob("*"):
-        rel = f.relative_to(layout).as_posix()
-        if f.is_file() and rel not in parts and rel != "gpusnap-container.json":
-            parts[rel] = PART_RUNTIME
-    return parts

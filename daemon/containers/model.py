@@ -182,6 +182,17 @@ class CheckpointParts:
         }
 
 
+@dataclass(frozen=True)
+class Dumped:
+    """What a runtime's own checkpoint left in ``dest``: each file with its kind, how long the
+    runtime's checkpoint call took (the container's pause is inside it), and the facts its
+    restore needs again."""
+
+    parts: dict[str, str]
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 def write_parts(parts: CheckpointParts) -> CheckpointParts:
     """Write the record into the parts directory (last, atomically) and return ``parts``."""
     path = parts.directory / RECORD_NAME

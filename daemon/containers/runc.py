@@ -33,23 +33,21 @@ from gpusnap.daemon.containers.model import (
     CheckpointParts,
     ContainerInfo,
     ContainerSpec,
+    Dumped,
     index_parts,
-    write_parts,
 )
 from gpusnap.daemon.containers.oci import overlay_upper, spec_from_oci, spec_to_oci
 from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
+    ContainerRuntime,
     RuntimeTool,
-    checkpoint_attempt,
     last_line,
-    live_facts,
 )
 from gpusnap.errors import AlreadyExists, FailedPrecondition, NotFound
 
 log = logging.getLogger(__name__)
 
-MIN_VERSION = (1, 1)
 IMAGE_ANNOTATION = "io.gpusnap.image.id"
 PARTS = {
     "criu/": PART_CRIU,
@@ -68,18 +66,19 @@ def _upper_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     return tarfile.tar_filter(member, dest)
 
 
-class RuncRuntime:
+class RuncRuntime(ContainerRuntime):
     """Containers of one runc state root, with bundles and images under gpusnap's dirs."""
 
     name = "runc"
+    min_version = (1, 1)
 
     def __init__(
         self,
         *,
-        binary: str = "runc",
         root: Path | None = None,
         bundles: Path = Path("/var/lib/gpusnap/runc/bundles"),
         images: Path = Path("/var/lib/gpusnap/runc/images"),
+        binary: str = "runc",
         criu: Path = DEFAULT_CRIU,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
@@ -87,9 +86,6 @@ class RuncRuntime:
         self.tool = RuntimeTool("runc", binary, args, criu=criu, timeout=timeout)
         self.bundles = bundles
         self.images = images
-
-    def version(self) -> str:
-        return self.tool.version(["--version"], MIN_VERSION)
 
     def _state(self, ref: str) -> dict[str, Any]:
         self.version()
@@ -102,18 +98,13 @@ class RuncRuntime:
         st = self._state(ref)
         bundle = Path(st["bundle"])
         config = json.loads((bundle / "config.json").read_text())
-        running = st.get("status") == "running"
-        pids, limits = live_facts(int(st.get("pid") or 0), running)
         annotations = config.get("annotations") or {}
-        return ContainerInfo(
+        return self._container(
             id=str(st["id"]),
             name=str(st["id"]),
-            runtime=self.name,
-            runtime_version=self.version(),
-            running=running and bool(pids),
-            pids=pids,
+            init_pid=int(st.get("pid") or 0),
+            running=st.get("status") == "running",
             spec=spec_from_oci(config, image_id=str(annotations.get(IMAGE_ANNOTATION, ""))),
-            cgroup_limits=limits,
         )
 
     def image_present(self, image_id: str) -> bool:
@@ -124,21 +115,12 @@ class RuncRuntime:
 
     # --- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(
-        self,
-        ref: str,
-        dest: Path,
-        *,
-        leave_running: bool,
-        info: ContainerInfo | None = None,
-        arrivals: Arrivals | None = None,
-    ) -> CheckpointParts:
-        info = info or self.inspect(ref)
-        if not info.running:
-            raise FailedPrecondition(f"runc: container {ref!r} is not running")
+    def _dump(
+        self, info: ContainerInfo, dest: Path, *, leave_running: bool, arrivals: Arrivals | None
+    ) -> Dumped:
+        ref = info.id
         st = self._state(ref)
         bundle = Path(st["bundle"])
-        dest.mkdir(parents=True, exist_ok=False)
         work = dest / "runtime"
         work.mkdir()
         args = ["checkpoint", "--image-path", str(dest / "criu"), "--work-path", str(work)]
@@ -146,27 +128,18 @@ class RuncRuntime:
         if leave_running:
             args.append("--leave-running")
         t0 = time.monotonic()
-        with checkpoint_attempt("runc", info, dest, lambda: self.inspect(ref).running):
-            self.tool.run([*args, ref], what="checkpoint")
-            seconds = time.monotonic() - t0
-            shutil.copyfile(bundle / "config.json", dest / "config.json")
-            upper = overlay_upper(Path(st.get("rootfs") or bundle / "rootfs"))
-            if upper is not None:
-                with tarfile.open(dest / "rootfs-diff.tar", "w", format=tarfile.PAX_FORMAT) as t:
-                    t.add(upper, arcname=".")
-            state_file = self._state_dir(ref) / "state.json"
-            if state_file.exists():
-                shutil.copyfile(state_file, work / "state.json")
-        parts = CheckpointParts(
-            directory=dest,
-            container=info,
-            parts=index_parts(dest, PARTS, PART_RUNTIME),
-            leave_running=leave_running,
-            seconds=seconds,
-            extra={"bundle": str(bundle), "rootfs_diff": upper is not None},
-        )
-        log.info("runc: checkpointed %s in %.2f s (%s)", ref, seconds, parts.sizes())
-        return write_parts(parts)
+        self.tool.run([*args, ref], what="checkpoint")
+        seconds = time.monotonic() - t0
+        shutil.copyfile(bundle / "config.json", dest / "config.json")
+        upper = overlay_upper(Path(st.get("rootfs") or bundle / "rootfs"))
+        if upper is not None:
+            with tarfile.open(dest / "rootfs-diff.tar", "w", format=tarfile.PAX_FORMAT) as t:
+                t.add(upper, arcname=".")
+        state_file = self._state_dir(ref) / "state.json"
+        if state_file.exists():
+            shutil.copyfile(state_file, work / "state.json")
+        extra = {"bundle": str(bundle), "rootfs_diff": upper is not None}
+        return Dumped(index_parts(dest, PARTS, PART_RUNTIME), seconds, extra)
 
     def _state_dir(self, ref: str) -> Path:
         base = self.tool.base_args
@@ -209,21 +182,9 @@ class RuncRuntime:
             shutil.rmtree(work, ignore_errors=True)
         return self.inspect(target)
 
-    def _make_room(self, target: str, rec: ContainerInfo) -> None:
-        try:
-            there = self.inspect(target)
-        except NotFound:
-            return
-        if there.running:
-            raise AlreadyExists(
-                f"runc: container {target!r} is running; restore under a new name (--name NEW)"
-            )
-        if target != rec.name:
-            raise AlreadyExists(
-                f"runc: another container is named {target!r}; restore under a new name "
-                "(--name NEW)"
-            )
-        self.tool.run(["delete", "--force", target], what="delete")
+    def _discard(self, stopped: ContainerInfo) -> None:
+        # Not ``remove``: an in-place restore runs from this container's bundle again.
+        self.tool.run(["delete", "--force", stopped.id], what="delete")
 
     # --- bundles, cold start, cleanup ------------------------------------------------
 

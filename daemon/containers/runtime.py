@@ -15,15 +15,23 @@ import os
 import re
 import shutil
 import subprocess
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from gpusnap.daemon.containers.archive import Arrivals
-from gpusnap.daemon.containers.model import CheckpointParts, ContainerInfo, ContainerSpec
+from gpusnap.daemon.containers.model import (
+    CheckpointParts,
+    ContainerInfo,
+    ContainerSpec,
+    Dumped,
+    write_parts,
+)
 from gpusnap.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     GpusnapError,
@@ -38,22 +46,50 @@ DEFAULT_CRIU = Path("/usr/local/sbin/criu")  # scripts/install-criu.sh
 DEFAULT_TIMEOUT = 600.0  # a hang guard on one runtime call, never a performance expectation
 
 
-@runtime_checkable
-class ContainerRuntime(Protocol):
+class ContainerRuntime(ABC):
     """A container runtime gpusnap can checkpoint through. One object per runtime and storage
     root; its methods are safe to call from the daemon's job threads one container at a time.
     """
 
     name: str
+    min_version: tuple[int, ...]  # the oldest release gpusnap drives
+    version_args: tuple[str, ...] = ("--version",)  # what makes the tool print its version
+    tool: RuntimeTool
 
     def version(self) -> str:
         """The runtime's version ("4.3.1"); ``Unsupported`` when missing or too old."""
-        ...
+        return self.tool.version(self.version_args, self.min_version)
 
+    @abstractmethod
     def inspect(self, ref: str) -> ContainerInfo:
         """The container ``ref`` (name or id): ids, host pids, image, spec, cgroup limits.
         ``NotFound`` when this runtime has no such container."""
-        ...
+
+    def _container(
+        self,
+        *,
+        id: str,
+        name: str,
+        init_pid: int,
+        running: bool,
+        spec: ContainerSpec,
+        image_digests: tuple[str, ...] = (),
+    ) -> ContainerInfo:
+        """What ``inspect`` returns for a container whose init is ``init_pid``, as the runtime
+        said it is: its host pids and cgroup limits read now, running only while it has
+        processes."""
+        pids, limits = live_facts(init_pid, running)
+        return ContainerInfo(
+            id=id,
+            name=name,
+            runtime=self.name,
+            runtime_version=self.version(),
+            running=running and bool(pids),
+            pids=pids,
+            spec=spec,
+            cgroup_limits=limits,
+            image_digests=image_digests,
+        )
 
     def checkpoint(
         self,
@@ -74,27 +110,88 @@ class ContainerRuntime(Protocol):
         said). ``FailedPrecondition`` when the container is not running or exits meanwhile;
         nothing is left in ``dest`` on failure.
         """
-        ...
+        info = info or self.inspect(ref)
+        if not info.running:
+            raise FailedPrecondition(f"{self.name}: container {info.name!r} is not running")
+        dest.mkdir(parents=True, exist_ok=False)
+        with checkpoint_attempt(self.name, info, dest, lambda: self._still_running(info.id)):
+            dumped = self._dump(info, dest, leave_running=leave_running, arrivals=arrivals)
+        parts = CheckpointParts(
+            directory=dest,
+            container=info,
+            parts=dumped.parts,
+            leave_running=leave_running,
+            seconds=dumped.seconds,
+            extra=dumped.extra,
+        )
+        log.info(
+            "%s: checkpointed %s in %.2f s (%s)", self.name, info.name, parts.seconds, parts.sizes()
+        )
+        return write_parts(parts)
 
+    @abstractmethod
+    def _dump(
+        self, info: ContainerInfo, dest: Path, *, leave_running: bool, arrivals: Arrivals | None
+    ) -> Dumped:
+        """The runtime's own checkpoint of the running container ``info`` into ``dest`` (made,
+        empty); ``checkpoint`` cleans up after a failure and writes the record."""
+
+    def _still_running(self, ref: str) -> bool:
+        """Whether ``ref`` still runs (``NotFound`` when it is gone), asked after a failed
+        checkpoint."""
+        return self.inspect(ref).running
+
+    @abstractmethod
     def restore(self, parts: CheckpointParts, *, name: str | None = None) -> ContainerInfo:
         """Restore ``parts`` as a running container named ``name`` (default: the checkpointed
         name) into this runtime's storage. The checkpointed container, stopped, is replaced;
         any other container of that name is ``AlreadyExists``. ``FailedPrecondition`` when the
         image is not present here. Returns the restored container (its new host pids)."""
-        ...
 
+    def _make_room(self, target: str, rec: ContainerInfo) -> None:
+        """Before a restore as ``target``: remove the stopped container the checkpoint ``rec``
+        was taken from, so its name is free; refuse to touch anything else."""
+        try:
+            there = self.inspect(target)
+        except NotFound:
+            return
+        if there.running:
+            raise AlreadyExists(
+                f"{self.name}: container {target!r} is running; restore under a new name "
+                "(--name NEW)"
+            )
+        if there.id != rec.id:
+            raise AlreadyExists(
+                f"{self.name}: another container is named {target!r}; restore under a new name "
+                "(--name NEW)"
+            )
+        self._discard(there)
+
+    def _discard(self, stopped: ContainerInfo) -> None:
+        """Remove the stopped checkpointed container ``_make_room`` found."""
+        self.remove(stopped.id)
+
+    @abstractmethod
     def image_present(self, image_id: str) -> bool:
         """Whether the image ``image_id`` ("sha256:...") is in this runtime's storage."""
-        ...
 
+    def _require_image(self, rec: ContainerInfo) -> None:
+        """``FailedPrecondition`` unless the image of the checkpointed container ``rec`` is
+        here: a restore never pulls."""
+        if not self.image_present(rec.spec.image_id):
+            raise FailedPrecondition(
+                f"{self.name}: image {rec.spec.image_id} ({rec.spec.image}) of container "
+                f"{rec.name!r} is not present here; gpusnap never pulls images"
+            )
+
+    @abstractmethod
     def create(self, spec: ContainerSpec, *, name: str) -> ContainerInfo:
         """Create and start a fresh container from ``spec`` (a cold start); the image must be
         present (gpusnap never pulls)."""
-        ...
 
+    @abstractmethod
     def remove(self, ref: str) -> None:
         """Stop (SIGKILL) and remove the container ``ref``; nothing when there is none."""
-        ...
 
 
 @dataclass

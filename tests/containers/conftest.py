@@ -17,12 +17,22 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from gpusnap.daemon.containers import ContainerSpec, Mount, PodmanRuntime, Ulimit
+from gpusnap.daemon.containers import (
+    ContainerInfo,
+    ContainerRuntime,
+    ContainerSpec,
+    Mount,
+    PodmanRuntime,
+    Ulimit,
+)
+from gpusnap.errors import Internal
 from tests.containers.image import IMAGE_REF, WORKLOAD_DIR, image_archive
 from tests.e2e.conftest import Nodes as Daemons
 from tests.support.criu import criu_or_skip
@@ -44,10 +54,17 @@ def _skip_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # marked before ``-m`` deselects by the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test in this folder drives real CRIU and is slow (``criu``, ``slow``); all of them
+    are skipped, with the reason, where the runtimes or CRIU are missing."""
     reason = _skip_reason()
     for item in items:
-        if reason and Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+        if not Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            continue
+        item.add_marker(pytest.mark.criu)
+        item.add_marker(pytest.mark.slow)
+        if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
@@ -178,6 +195,22 @@ def rw_log(node: Node, name: str, dest: Path) -> bytes:
     return dest.read_bytes()
 
 
+def rw_log_once_exited(node: Node, name: str, dest: Path) -> bytes:
+    """``rw_log`` read once the container has exited: a podman cp during its exit once found
+    nothing, and one just after it can still meet the rootfs being unmounted by podman's
+    cleanup ("changing to intended-new-root directory ... no such file"): asked again until it
+    answers."""
+    wait_exited(node, name)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            return rw_log(node, name, dest)
+        except Internal:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def exiting_at_checkpoint(spec: ContainerSpec, tmp: Path) -> ContainerSpec:
     """``spec`` for a container that exits once a checkpoint of it has begun, every time.
 
@@ -198,6 +231,43 @@ def exiting_at_checkpoint(spec: ContainerSpec, tmp: Path) -> ContainerSpec:
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+class Loop(NamedTuple):
+    """One test's generation loop: ``out``, the (empty) directory its container writes its
+    tokens into, the container's unique ``name``, and ``expected``, the tokens of an
+    uninterrupted run (empty where the test compares none)."""
+
+    out: Path
+    name: str
+    expected: bytes
+
+
+def new_loop(tmp: Path, prefix: str, steps: int | None = None, *, weights_mib: int = 16) -> Loop:
+    """A ``Loop`` under ``tmp`` named after ``prefix``; with ``steps``, its ``expected`` tokens
+    of that many steps."""
+    expected = b"" if steps is None else reference(tmp / "ref", steps, weights_mib)
+    out = tmp / "out"
+    out.mkdir()
+    return Loop(out, unique(prefix), expected)
+
+
+@contextmanager
+def removing(rt: ContainerRuntime, *names: str) -> Iterator[None]:
+    """The containers ``names`` of ``rt`` removed when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        for name in names:
+            rt.remove(name)
+
+
+@contextmanager
+def started(rt: ContainerRuntime, spec: ContainerSpec, name: str) -> Iterator[ContainerInfo]:
+    """The container ``name`` created from ``spec`` and started, removed when the block ends."""
+    info = rt.create(spec, name=name)
+    with removing(rt, name):
+        yield info
 
 
 def reference(tmp: Path, steps: int, weights_mib: int = 16) -> bytes:

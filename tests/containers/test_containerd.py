@@ -13,20 +13,18 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.containers import ContainerdRuntime, load_parts
+from tests.containers.conftest import STEPS_DEFAULT as STEPS
 from tests.containers.conftest import (
     genloop_spec_for,
     lines,
-    reference,
-    unique,
+    new_loop,
+    removing,
+    started,
     wait_done,
     wait_lines,
 )
 from tests.containers.daemons import Daemons, cli_json, start_daemon
 from tests.containers.image import IMAGE_REF
-
-pytestmark = [pytest.mark.criu, pytest.mark.slow]
-
-STEPS = 150
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +74,9 @@ def _image_id(rt: ContainerdRuntime) -> str:
 def test_containerd_restore_in_place_continues_bit_exactly(
     containerd: ContainerdRuntime, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("ctrd")
+    out, name, expected = new_loop(tmp_path, "ctrd", STEPS)
     spec = genloop_spec_for(_image_id(containerd), out, steps=STEPS)
-    containerd.create(spec, name=name)
-    try:
+    with started(containerd, spec, name):
         wait_lines(out, STEPS // 3)
         parts = containerd.checkpoint(name, tmp_path / "ckpt", leave_running=False)
         assert lines(out) < STEPS
@@ -91,38 +85,31 @@ def test_containerd_restore_in_place_continues_bit_exactly(
         restored = containerd.restore(load_parts(parts.directory))
         assert restored.running
         assert wait_done(out) == expected
-    finally:
-        containerd.remove(name)
 
 
 def test_containerd_leave_running_checkpoint_restores_under_a_new_name(
     containerd: ContainerdRuntime, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("ctrd")
-    before = containerd.create(genloop_spec_for(_image_id(containerd), out, steps=STEPS), name=name)
-    try:
+    out, name, expected = new_loop(tmp_path, "ctrd", STEPS)
+    with (
+        started(
+            containerd, genloop_spec_for(_image_id(containerd), out, steps=STEPS), name
+        ) as before,
+        removing(containerd, f"{name}-copy"),
+    ):
         wait_lines(out, STEPS // 3)
         parts = containerd.checkpoint(name, tmp_path / "ckpt", leave_running=True)
         assert containerd.inspect(name).pids == before.pids
         assert wait_done(out) == expected
         containerd.restore(load_parts(parts.directory), name=f"{name}-copy")
         assert wait_done(out) == expected
-    finally:
-        containerd.remove(name)
-        containerd.remove(f"{name}-copy")
 
 
 def test_containerd_container_checkpointed_by_gpusnapd_restores_in_place_bit_exactly(
     containerd: ContainerdRuntime, daemons: Daemons, tmp_path: Path
 ) -> None:
     steps = 300  # still running when the test looks at the restored container
-    expected = reference(tmp_path / "ref", steps)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dctrd")
+    out, name, expected = new_loop(tmp_path, "dctrd", steps)
     _, address, _, namespace = containerd.tool.base_args
     a = start_daemon(
         daemons,
@@ -130,8 +117,7 @@ def test_containerd_container_checkpointed_by_gpusnapd_restores_in_place_bit_exa
         '[containers]\ndetect = ["containerd"]\n[containers.containerd]\n'
         f'address = "{address}"\nnamespace = "{namespace}"\n',
     )
-    containerd.create(genloop_spec_for(_image_id(containerd), out, steps=steps), name=name)
-    try:
+    with started(containerd, genloop_spec_for(_image_id(containerd), out, steps=steps), name):
         wait_lines(out, 30)
         done = cli_json(a, "checkpoint", "--container", name, "--runtime", "containerd", "--wait")
         assert done["container"]["runtime"] == "containerd"
@@ -140,5 +126,3 @@ def test_containerd_container_checkpointed_by_gpusnapd_restores_in_place_bit_exa
         assert restored["mode"] == "restored", restored
         assert restored["pids"] == list(containerd.inspect(name).pids)
         assert wait_done(out) == expected
-    finally:
-        containerd.remove(name)

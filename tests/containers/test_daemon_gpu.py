@@ -36,8 +36,6 @@ from tests.containers.image import IMAGE_REF, WORKLOAD_DIR
 from tests.fakes import libcuda
 from tests.fakes.libcuda import A0, B0
 
-pytestmark = [pytest.mark.criu, pytest.mark.slow]
-
 STEPS = 300  # 6 s at 20 ms a step: still running when the test looks at the restored one
 WEIGHTS_MIB = 8
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from tests.containers.conftest import Node, genloop_spec, reference, unique, wait_done, wait_lines
+from tests.containers.conftest import (
+    Node,
+    genloop_spec,
+    new_loop,
+    removing,
+    started,
+    wait_done,
+    wait_lines,
+)
 from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
 from tests.e2e_reclaim import ask
-
-pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 STEPS = 300
 
@@ -30,14 +34,13 @@ def _node_config(node: Node, container: str, *, standby: bool) -> str:
 def test_a_reclaim_checkpoints_the_container_workload_and_the_standby_restores_it(
     node_a: Node, node_b: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dreclaim")
+    out, name, expected = new_loop(tmp_path, "dreclaim", STEPS)
     a = start_daemon(daemons, "a", _node_config(node_a, name, standby=False))
     b = start_daemon(daemons, "b", _node_config(node_b, name, standby=True))
-    node_a.podman.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    with (
+        started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name),
+        removing(node_b.podman, name),
+    ):
         wait_lines(out, 30)
         drill = cli_json(a, "drill", "reclaim", "--deadline", "60")
         assert drill["workload"] == "llm"
@@ -53,6 +56,3 @@ def test_a_reclaim_checkpoints_the_container_workload_and_the_standby_restores_i
         assert restore["result"]["container"]["name"] == name
         assert node_b.podman.inspect(name).running
         assert wait_done(out) == expected
-    finally:
-        node_a.podman.remove(name)
-        node_b.podman.remove(name)

@@ -14,8 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 from gpusnap.daemon.containers import Device
 from tests.containers.conftest import (
     STEPS_DEFAULT,
@@ -24,10 +22,11 @@ from tests.containers.conftest import (
     genloop_spec,
     lines,
     make_node,
-    reference,
-    rw_log,
+    new_loop,
+    removing,
+    rw_log_once_exited,
+    started,
     teardown,
-    unique,
     wait_done,
     wait_exited,
     wait_lines,
@@ -35,8 +34,6 @@ from tests.containers.conftest import (
 from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
 from tests.containers.image import WORKLOAD_DIR
 from tests.support.mounts import tmpfs
-
-pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 STEPS = STEPS_DEFAULT
 # Tests that look at the restored container while it runs give it this many steps (6 s).
@@ -46,17 +43,13 @@ LONG = 300
 def test_a_container_checkpointed_through_gpusnapd_restores_in_place_bit_exactly(
     node_a: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", LONG)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dinplace")
+    out, name, expected = new_loop(tmp_path, "dinplace", LONG)
     a = start_daemon(daemons, "a", podman_section(node_a))
     # A device node given to the container, as a GPU's would be (/dev/null stands in).
     spec = dataclasses.replace(
         genloop_spec(node_a, out, steps=LONG), devices=(Device("/dev/null", "/dev/gpu0"),)
     )
-    node_a.podman.create(spec, name=name)
-    try:
+    with started(node_a.podman, spec, name):
         wait_lines(out, LONG // 6)
         done = cli_json(a, "checkpoint", "--container", name, "--wait")
         assert done["state"] == "succeeded" and done["workload"] == name
@@ -84,21 +77,18 @@ def test_a_container_checkpointed_through_gpusnapd_restores_in_place_bit_exactly
         assert restored["container"]["id"] == done["container"]["id"]
         assert restored["pids"] == list(node_a.podman.inspect(name).pids)
         assert wait_done(out) == expected
-    finally:
-        node_a.podman.remove(name)
 
 
 def test_a_container_restores_on_another_node_into_its_own_storage_bit_exactly(
     node_a: Node, node_b: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", LONG)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dmigrate")
+    out, name, expected = new_loop(tmp_path, "dmigrate", LONG)
     a = start_daemon(daemons, "a", podman_section(node_a))
     b = start_daemon(daemons, "b", podman_section(node_b))
-    node_a.podman.create(genloop_spec(node_a, out, steps=LONG), name=name)
-    try:
+    with (
+        started(node_a.podman, genloop_spec(node_a, out, steps=LONG), name),
+        removing(node_b.podman, name),
+    ):
         wait_lines(out, LONG // 6)
         cid = cli_json(a, "checkpoint", "--container", name, "--wait")["checkpoint_id"]
         verdict = cli_json(b, "compat", cid)
@@ -109,27 +99,24 @@ def test_a_container_restores_on_another_node_into_its_own_storage_bit_exactly(
         assert there.running and restored["pids"] == list(there.pids)
         assert restored["container"] == there.summary()
         assert wait_done(out) == expected
-        # The rw layer came along: the log written before the checkpoint, continued after it
-        # (read once the container has exited: a podman cp during its exit once found nothing).
-        wait_exited(node_b, name)
-        assert rw_log(node_b, name, tmp_path / "log") == expected.removesuffix(b"done\n")
-    finally:
-        node_a.podman.remove(name)
-        node_b.podman.remove(name)
+        # The rw layer came along: the log written before the checkpoint, continued after it.
+        log = rw_log_once_exited(node_b, name, tmp_path / "log")
+        assert log == expected.removesuffix(b"done\n")
 
 
 def test_leave_running_keeps_serving_and_a_second_checkpoint_uploads_only_what_changed(
     node_a: Node, node_b: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
     steps = 400
-    expected = reference(tmp_path / "ref", steps, weights_mib=32)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dleave")
+    out, name, expected = new_loop(tmp_path, "dleave", steps, weights_mib=32)
     a = start_daemon(daemons, "a", podman_section(node_a))
     b = start_daemon(daemons, "b", podman_section(node_b))
-    before = node_a.podman.create(genloop_spec(node_a, out, steps=steps, weights_mib=32), name=name)
-    try:
+    with (
+        started(
+            node_a.podman, genloop_spec(node_a, out, steps=steps, weights_mib=32), name
+        ) as before,
+        removing(node_b.podman, f"{name}-copy"),
+    ):
         wait_lines(out, 50)
         first = cli_json(a, "checkpoint", "--container", name, "--leave-running", "--wait")
         assert first["leave_running"] is True and first["parent"] is None
@@ -171,9 +158,6 @@ def test_leave_running_keeps_serving_and_a_second_checkpoint_uploads_only_what_c
         assert copy["bytes_cached"] == 0 and copy["bytes_fetched"] > 0, copy
         wait_exited(node_b, f"{name}-copy")
         assert wait_done(out) == expected
-    finally:
-        node_a.podman.remove(name)
-        node_b.podman.remove(f"{name}-copy")
 
 
 def _workload(name: str, container: str, *, version: str = "1", start: str = "") -> str:
@@ -186,15 +170,14 @@ def _workload(name: str, container: str, *, version: str = "1", start: str = "")
 def test_a_checkpoint_that_does_not_fit_cold_starts_a_fresh_container_from_its_config(
     node_a: Node, node_b: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dcold")
+    out, name, expected = new_loop(tmp_path, "dcold", STEPS)
     a = start_daemon(daemons, "a", podman_section(node_a) + _workload("llm", name))
     # Node B runs another build of the engine: the checkpoint must not be restored there.
     b = start_daemon(daemons, "b", podman_section(node_b) + _workload("llm", name, version="2"))
-    node_a.podman.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    with (
+        started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name),
+        removing(node_b.podman, name),
+    ):
         wait_lines(out, STEPS // 3)
         (listed,) = cli_json(a, "workloads")["workloads"]
         assert listed["finder"] == f"container {name} (podman)"
@@ -212,18 +195,12 @@ def test_a_checkpoint_that_does_not_fit_cold_starts_a_fresh_container_from_its_c
         assert fresh.id != done["container"]["id"]  # created anew, not restored
         assert fresh.spec.ulimits == node_a.podman.inspect(name).spec.ulimits
         assert wait_done(out) == expected  # from the first step: a fresh start
-    finally:
-        node_a.podman.remove(name)
-        node_b.podman.remove(name)
 
 
 def test_where_the_image_is_missing_the_restore_cold_starts_with_that_reason(
     node_a: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dnoimage")
+    out, name, expected = new_loop(tmp_path, "dnoimage", STEPS)
     bare = make_node(tmp_path, "c", None)  # a node that never loaded the image
     try:
         a = start_daemon(daemons, "a", podman_section(node_a) + _workload("llm", name))
@@ -267,21 +244,16 @@ def test_where_the_image_is_missing_the_restore_cold_starts_with_that_reason(
 def test_a_container_that_exits_mid_checkpoint_fails_the_job_and_commits_nothing(
     node_a: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("ddies")
+    out, name, _ = new_loop(tmp_path, "ddies")
     spec = exiting_at_checkpoint(genloop_spec(node_a, out, steps=STEPS), tmp_path)
     a = start_daemon(daemons, "a", podman_section(node_a))
-    node_a.podman.create(spec, name=name)
-    try:
+    with started(node_a.podman, spec, name):
         wait_lines(out, 10)
         res = a.cli("checkpoint", "--container", name, "--wait")
         assert res.rc == 1
         assert f"container '{name}' exited during the checkpoint" in res.stderr
         assert cli_json(a, "ls")["checkpoints"] == []
         assert not list((a.state_dir / "staging").iterdir())
-    finally:
-        node_a.podman.remove(name)
 
 
 def test_a_missing_or_too_old_runtime_is_a_clear_error_naming_it(
@@ -326,10 +298,7 @@ def test_a_missing_or_too_old_runtime_is_a_clear_error_naming_it(
 def test_a_kill_mode_checkpoint_whose_upload_fails_restores_the_container_from_its_parts(
     node_a: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", LONG)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("drescue")
+    out, name, expected = new_loop(tmp_path, "drescue", LONG)
     # The store is a 4 MiB file system: it answers, and fills up during the upload.
     with tmpfs(tmp_path / "small", "size=4m") as small:
         d = daemons.make("a", extra_config=podman_section(node_a), store_url=f"file://{small}")

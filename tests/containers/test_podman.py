@@ -23,22 +23,19 @@ from gpusnap.daemon.containers import (
     load_parts,
 )
 from gpusnap.errors import AlreadyExists, FailedPrecondition, Unsupported
+from tests.containers.conftest import STEPS_DEFAULT as STEPS
 from tests.containers.conftest import (
     Node,
     exiting_at_checkpoint,
     genloop_spec,
     lines,
-    reference,
-    rw_log,
-    unique,
+    new_loop,
+    removing,
+    rw_log_once_exited,
+    started,
     wait_done,
-    wait_exited,
     wait_lines,
 )
-
-pytestmark = [pytest.mark.criu, pytest.mark.slow]
-
-STEPS = 150
 
 
 def _figure(name: str, **values: object) -> None:
@@ -49,12 +46,8 @@ def test_restore_in_place_continues_the_generation_bit_exactly(
     node_a: Node, tmp_path: Path
 ) -> None:
     rt = node_a.podman
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("inplace")
-    rt.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    out, name, expected = new_loop(tmp_path, "inplace", STEPS)
+    with started(rt, genloop_spec(node_a, out, steps=STEPS), name):
         wait_lines(out, STEPS // 3)
         parts = rt.checkpoint(name, tmp_path / "ckpt", leave_running=False)
         assert not rt.inspect(name).running
@@ -78,19 +71,16 @@ def test_restore_in_place_continues_the_generation_bit_exactly(
         restored = rt.restore(load_parts(parts.directory))
         assert restored.running and restored.name == name and restored.id == parts.container.id
         assert wait_done(out) == expected
-    finally:
-        rt.remove(name)
 
 
 def test_restore_into_another_storage_root_continues_bit_exactly(
     node_a: Node, node_b: Node, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("migrate")
-    node_a.podman.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    out, name, expected = new_loop(tmp_path, "migrate", STEPS)
+    with (
+        started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name),
+        removing(node_b.podman, name),
+    ):
         wait_lines(out, STEPS // 3)
         parts = node_a.podman.checkpoint(name, tmp_path / "ckpt", leave_running=False)
         assert container_reasons(parts.container, node_b.podman) == []
@@ -98,24 +88,19 @@ def test_restore_into_another_storage_root_continues_bit_exactly(
         assert restored.running and restored.runtime == "podman"
         assert restored.spec.image_id == parts.container.spec.image_id
         assert wait_done(out) == expected
-        # The rw layer came along: the log written before the checkpoint, continued after it
-        # (read once the container has exited: a podman cp during its exit once found nothing).
-        wait_exited(node_b, name)
-        assert rw_log(node_b, name, tmp_path / "log") == expected.removesuffix(b"done\n")
-    finally:
-        node_a.podman.remove(name)
-        node_b.podman.remove(name)
+        # The rw layer came along: the log written before the checkpoint, continued after it.
+        log = rw_log_once_exited(node_b, name, tmp_path / "log")
+        assert log == expected.removesuffix(b"done\n")
 
 
 def test_leave_running_keeps_the_container_serving_and_the_checkpoint_restores(
     node_a: Node, node_b: Node, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("leave")
-    node_a.podman.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    out, name, expected = new_loop(tmp_path, "leave", STEPS)
+    with (
+        started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name),
+        removing(node_b.podman, f"{name}-copy"),
+    ):
         wait_lines(out, STEPS // 3)
         before = node_a.podman.inspect(name)
         parts = node_a.podman.checkpoint(name, tmp_path / "ckpt", leave_running=True)
@@ -125,26 +110,18 @@ def test_leave_running_keeps_the_container_serving_and_the_checkpoint_restores(
         # The checkpoint, restored elsewhere, rewrites the stream from where it was taken.
         node_b.podman.restore(load_parts(parts.directory), name=f"{name}-copy")
         assert wait_done(out) == expected
-    finally:
-        node_a.podman.remove(name)
-        node_b.podman.remove(f"{name}-copy")
 
 
 def test_second_checkpoint_uploads_only_what_changed(node_a: Node, tmp_path: Path) -> None:
     from gpusnap.storage import generate_signing_key, open_store  # noqa: PLC0415
 
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dedup")
+    out, name, _ = new_loop(tmp_path, "dedup")
     rt = node_a.podman
-    rt.create(genloop_spec(node_a, out, steps=400, weights_mib=32), name=name)
-    try:
+    with started(rt, genloop_spec(node_a, out, steps=400, weights_mib=32), name):
         wait_lines(out, 50)
         first = rt.checkpoint(name, tmp_path / "c1", leave_running=True)
         wait_lines(out, 100)
         second = rt.checkpoint(name, tmp_path / "c2", leave_running=True)
-    finally:
-        rt.remove(name)
     key = tmp_path / "sign.pem"
     generate_signing_key(key)
     with open_store(
@@ -180,15 +157,10 @@ def test_restore_where_the_image_is_missing_is_refused_with_the_reason(
         cgroup_manager="cgroupfs",
         events_backend="file",
     )
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("noimage")
-    node_a.podman.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    out, name, _ = new_loop(tmp_path, "noimage")
+    with started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name):
         wait_lines(out, 10)
         parts = node_a.podman.checkpoint(name, tmp_path / "ckpt", leave_running=True)
-    finally:
-        node_a.podman.remove(name)
     image = parts.container.spec.image_id
     reasons = container_reasons(parts.container, bare)
     assert len(reasons) == 1 and image in reasons[0] and "not present" in reasons[0]
@@ -203,76 +175,52 @@ def test_restore_where_the_image_is_missing_is_refused_with_the_reason(
 def test_cold_start_creates_the_container_from_the_recorded_spec(
     node_a: Node, node_b: Node, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("cold")
-    node_a.podman.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    out, name, expected = new_loop(tmp_path, "cold", STEPS)
+    with started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name):
         recorded = node_a.podman.inspect(name)
-    finally:
-        node_a.podman.remove(name)
     spec = recorded.spec
     assert ("nofile", 20000, 20000) in [(u.name, u.soft, u.hard) for u in spec.ulimits]
     assert spec.network == "none" and any(m.destination == "/out" for m in spec.mounts)
-    started = node_b.podman.create(spec, name=f"{name}-b")
-    try:
-        assert started.spec.command == spec.command
+    with started(node_b.podman, spec, f"{name}-b") as fresh:
+        assert fresh.spec.command == spec.command
         assert wait_done(out) == expected  # from the first step: a fresh start
-    finally:
-        node_b.podman.remove(f"{name}-b")
 
 
 def test_restore_over_a_running_container_of_that_name_is_refused(
     node_a: Node, tmp_path: Path
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("busy")
-    node_a.podman.create(genloop_spec(node_a, out, steps=STEPS), name=name)
-    try:
+    out, name, _ = new_loop(tmp_path, "busy")
+    with started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name):
         wait_lines(out, 10)
         parts = node_a.podman.checkpoint(name, tmp_path / "ckpt", leave_running=True)
         with pytest.raises(AlreadyExists, match="running"):
             node_a.podman.restore(parts)
         assert node_a.podman.inspect(name).running
-    finally:
-        node_a.podman.remove(name)
 
 
 def test_a_container_that_exits_before_its_checkpoint_is_a_clear_error(
     node_a: Node, tmp_path: Path
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("exits")
-    node_a.podman.create(genloop_spec(node_a, out, steps=20, interval=0.01), name=name)
-    try:
+    out, name, _ = new_loop(tmp_path, "exits")
+    with started(node_a.podman, genloop_spec(node_a, out, steps=20, interval=0.01), name):
         assert node_a.podman.inspect(name).pids  # seen running (the GPU freeze would go here)
         wait_done(out)
         with pytest.raises(FailedPrecondition, match=f"{name}.*(not running|exited)"):
             node_a.podman.checkpoint(name, tmp_path / "ckpt", leave_running=False)
         assert not (tmp_path / "ckpt").exists()
-    finally:
-        node_a.podman.remove(name)
 
 
 def test_a_container_that_exits_during_its_checkpoint_is_a_clear_error(
     node_a: Node, tmp_path: Path
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("dies")
+    out, name, _ = new_loop(tmp_path, "dies")
     spec = exiting_at_checkpoint(genloop_spec(node_a, out, steps=STEPS), tmp_path)
-    node_a.podman.create(spec, name=name)
-    try:
+    with started(node_a.podman, spec, name):
         wait_lines(out, 10)
         with pytest.raises(FailedPrecondition, match=f"{name}' exited during the checkpoint"):
             node_a.podman.checkpoint(name, tmp_path / "ckpt", leave_running=True)
         assert not (tmp_path / "ckpt").exists()
         assert not node_a.podman.inspect(name).running
-    finally:
-        node_a.podman.remove(name)
 
 
 def test_a_missing_podman_is_a_clear_error_naming_it(tmp_path: Path) -> None:

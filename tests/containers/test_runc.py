@@ -14,21 +14,18 @@ import pytest
 
 from gpusnap.daemon.containers import RuncRuntime, container_reasons, load_parts
 from gpusnap.errors import FailedPrecondition, Unsupported
+from tests.containers.conftest import STEPS_DEFAULT as STEPS
 from tests.containers.conftest import (
     TIMEOUT,
     genloop_spec_for,
     lines,
-    reference,
-    unique,
+    new_loop,
     wait_done,
     wait_lines,
 )
 from tests.containers.daemons import Daemons, cli_json, start_daemon
 from tests.containers.image import rootfs_tar
 
-pytestmark = [pytest.mark.criu, pytest.mark.slow]
-
-STEPS = 150
 IMAGE_ID = "sha256:" + "6e" * 32  # the id the test gives its image directory
 
 
@@ -68,10 +65,7 @@ def runc_b(images: Path) -> Iterator[RuncRuntime]:
 
 
 def test_runc_restore_in_place_continues_bit_exactly(runc_a: RuncRuntime, tmp_path: Path) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("runc")
+    out, name, expected = new_loop(tmp_path, "runc", STEPS)
     runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
     wait_lines(out, STEPS // 3)
     parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=False)
@@ -89,10 +83,7 @@ def test_runc_restore_in_place_continues_bit_exactly(runc_a: RuncRuntime, tmp_pa
 def test_runc_restore_on_another_node_with_a_new_name_continues_bit_exactly(
     runc_a: RuncRuntime, runc_b: RuncRuntime, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("runc")
+    out, name, expected = new_loop(tmp_path, "runc", STEPS)
     runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
     wait_lines(out, STEPS // 3)
     parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=False)
@@ -108,10 +99,7 @@ def test_runc_restore_on_another_node_with_a_new_name_continues_bit_exactly(
 def test_runc_leave_running_keeps_the_container_serving(
     runc_a: RuncRuntime, tmp_path: Path
 ) -> None:
-    expected = reference(tmp_path / "ref", STEPS)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("runc")
+    out, name, expected = new_loop(tmp_path, "runc", STEPS)
     before = runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
     wait_lines(out, STEPS // 3)
     parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=True)
@@ -123,9 +111,7 @@ def test_runc_leave_running_keeps_the_container_serving(
 def test_runc_restore_without_the_image_is_refused_with_the_reason(
     runc_a: RuncRuntime, tmp_path: Path
 ) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("runc")
+    out, name, _ = new_loop(tmp_path, "runc")
     runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=STEPS), name=name)
     wait_lines(out, 10)
     parts = runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=True)
@@ -154,10 +140,7 @@ def test_runc_container_checkpointed_by_gpusnapd_restores_on_another_node_bit_ex
     runc_a: RuncRuntime, runc_b: RuncRuntime, daemons: Daemons, tmp_path: Path
 ) -> None:
     steps = 300  # still running when the test looks at the restored container
-    expected = reference(tmp_path / "ref", steps)
-    out = tmp_path / "out"
-    out.mkdir()
-    name = unique("druncc")
+    out, name, expected = new_loop(tmp_path, "druncc", steps)
     a = start_daemon(daemons, "a", _runc_section(runc_a))
     b = start_daemon(daemons, "b", _runc_section(runc_b))
     runc_a.create(genloop_spec_for(IMAGE_ID, out, steps=steps), name=name)
