@@ -97,18 +97,26 @@ class StoreSection:
 
 @dataclass(frozen=True)
 class EngineSpec:
+    """``[[workload]] engine = { name, version }``: the serving engine the compatibility gate
+    compares a checkpoint's against."""
+
     name: str
     version: str
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """``[[workload]] model = { name, revision }``: the weights the workload serves."""
+
     name: str
     revision: str
 
 
 @dataclass(frozen=True)
 class StartSpec:
+    """``[[workload]] start = { command, cwd, env, user }``: how a cold start runs the workload
+    fresh where its checkpoint does not fit this node (``host/coldstart.py``)."""
+
     command: tuple[str, ...]
     cwd: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
