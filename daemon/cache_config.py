@@ -30,11 +30,15 @@ class CacheSection:
 def parse_cache(t: Table) -> CacheSection:
     """``[cache]`` -> ``CacheSection``; an unknown key or a wrong type is ``InvalidArgument``."""
     d = CacheSection()
-    enabled, seed = t.boolean("enabled"), t.boolean("seed")
+    # Read in the table's documented order, so that of two bad keys the first is named.
+    enabled = t.boolean("enabled")
+    directory = t.path("dir")
+    max_bytes = t.integer("max_bytes", minimum=1)
+    seed = t.boolean("seed")
     section = CacheSection(
         enabled=d.enabled if enabled is None else enabled,
-        dir=t.path("dir"),
-        max_bytes=t.integer("max_bytes", minimum=1),
+        dir=directory,
+        max_bytes=max_bytes,
         seed=d.seed if seed is None else seed,
     )
     t.done()
