@@ -19,10 +19,10 @@ import argparse
 import errno
 import os
 import socket
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, Unpack, cast
 
 # gRPC's C core logs to stderr on its own (e.g. "E1130 ... parse_address.cc:69] ..."), which
 # would break the CLI's promise of one line per error. It reads these at import, so they are
@@ -68,6 +68,34 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 T = TypeVar("T")
+
+
+class CheckpointRequest(TypedDict, total=False):
+    """``DaemonClient.checkpoint``'s keywords: the fields of a ``CreateCheckpointRequest``. One
+    of ``pid``, ``workload``, ``container`` (the daemon checks); None is the same as left out."""
+
+    pid: int | None
+    workload: str | None
+    container: str | None
+    runtime: str | None  # with a container; none: the runtime that has it
+    leave_running: bool
+    trigger: str  # none: the daemon's "operator"
+
+
+class RestoreRequest(TypedDict, total=False):
+    """``DaemonClient.restore``'s keywords: the fields of a ``RestoreRequest`` (which go together
+    is the daemon's to check); None is the same as left out."""
+
+    checkpoint_id: str | None
+    workload: str | None
+    latest: bool
+    name: str | None
+
+
+def _given(request: Mapping[str, object]) -> dict[str, Any]:
+    """The keywords that are not None: a protobuf message takes no None, and a field left out is
+    unset (a ``oneof`` too)."""
+    return {key: value for key, value in request.items() if value is not None}
 
 
 class DaemonUnreachable(Unreachable):
@@ -205,42 +233,15 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
 
     # --- calls ------------------------------------------------------------------------------
 
-    def checkpoint(
-        self,
-        *,
-        pid: int | None = None,
-        workload: str | None = None,
-        leave_running: bool = False,
-        trigger: str = "",
-        container: str | None = None,
-        runtime: str | None = None,
-    ) -> dict[str, Any]:
-        request = pb.CreateCheckpointRequest(
-            leave_running=leave_running, trigger=trigger, runtime=runtime or ""
-        )
-        if pid is not None:
-            request.pid = pid
-        if workload is not None:
-            request.workload = workload
-        if container is not None:
-            request.container = container
-        return wire.job_from_pb(self._unary(self._checkpoints.Create, request))
+    def checkpoint(self, **request: Unpack[CheckpointRequest]) -> dict[str, Any]:
+        """Queue a checkpoint (``CreateCheckpointRequest``); its job as it stands."""
+        message = pb.CreateCheckpointRequest(**_given(request))
+        return wire.job_from_pb(self._unary(self._checkpoints.Create, message))
 
-    def restore(
-        self,
-        *,
-        checkpoint_id: str | None = None,
-        workload: str | None = None,
-        latest: bool = False,
-        name: str | None = None,
-    ) -> dict[str, Any]:
-        request = pb.RestoreRequest(
-            checkpoint_id=checkpoint_id or "",
-            workload=workload or "",
-            latest=latest,
-            name=name or "",
-        )
-        return wire.job_from_pb(self._unary(self._restores.Restore, request))
+    def restore(self, **request: Unpack[RestoreRequest]) -> dict[str, Any]:
+        """Queue a restore (``RestoreRequest``); its job as it stands."""
+        message = pb.RestoreRequest(**_given(request))
+        return wire.job_from_pb(self._unary(self._restores.Restore, message))
 
     def compat(self, checkpoint_id: str) -> dict[str, Any]:
         request = pb.CompatRequest(checkpoint_id=checkpoint_id)

@@ -149,6 +149,16 @@ def add_command(
     return p
 
 
+def add_group(subparsers: Subparsers, name: str, help_text: str, description: str) -> Subparsers:
+    """Add the command group ``name`` (``gpusnap NAME <NAME command>``, one required); returns
+    the subparsers its commands are added to (``add_command``). The chosen one is in
+    ``args.NAME_command``."""
+    group = subparsers.add_parser(
+        name, help=help_text, description=description, parents=[common_parser()]
+    )
+    return group.add_subparsers(dest=f"{name}_command", metavar=f"<{name} command>", required=True)
+
+
 def parse_duration(text: str) -> float:
     """``0s``, ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m`` -> seconds. For argparse ``type=``."""
     s = text.strip().lower()

@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from gpusnap.cli._common import Subparsers, add_command, common_parser
+from gpusnap.cli._common import Subparsers, add_command, add_group, common_parser
 from gpusnap.cli._output import emit, human_bytes, out, print_json, render_table
 from gpusnap.cli.plan.command import parse_bytes
 from gpusnap.errors import EXIT_OK, GpusnapError, NotFound
@@ -24,13 +24,12 @@ CACHE_DIR_ENV = "GPUSNAP_CACHE_DIR"
 
 
 def register(subparsers: Subparsers) -> None:
-    cache = subparsers.add_parser(
+    sub = add_group(
+        subparsers,
         "cache",
-        help="the node's chunk cache (no daemon needed)",
-        description="Look at or shrink the node's chunk cache; no daemon needed.",
-        parents=[common_parser()],
+        "the node's chunk cache (no daemon needed)",
+        "Look at or shrink the node's chunk cache; no daemon needed.",
     )
-    sub = cache.add_subparsers(dest="cache_command", metavar="<cache command>", required=True)
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument(
         "--cache-dir",

@@ -18,6 +18,7 @@ from typing import Any
 from gpusnap.cli._common import (
     Subparsers,
     add_command,
+    add_group,
     common_parser,
     open_store_from_args,
     parse_duration,
@@ -59,13 +60,12 @@ def _path_arg(text: str) -> Path:
 
 
 def register(subparsers: Subparsers) -> None:
-    store = subparsers.add_parser(
+    sub = add_group(
+        subparsers,
         "store",
-        help="work on a checkpoint store directly (no daemon needed)",
-        description="Work on a checkpoint store directly; no daemon needed.",
-        parents=[common_parser()],
+        "work on a checkpoint store directly (no daemon needed)",
+        "Work on a checkpoint store directly; no daemon needed.",
     )
-    sub = store.add_subparsers(dest="store_command", metavar="<store command>", required=True)
     parents = [common_parser(), store_parser()]
 
     p = add_command(sub, "push", cmd_push, "upload a directory as a new checkpoint", parents)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gpusnap.daemon.cache_config import CacheSection, parse_cache
 from gpusnap.daemon.config_table import Table
 from gpusnap.daemon.container_config import ContainersSection, parse_containers
 from gpusnap.daemon.containers.runtimes import RUNTIMES
@@ -96,18 +97,26 @@ class StoreSection:
 
 @dataclass(frozen=True)
 class EngineSpec:
+    """``[[workload]] engine = { name, version }``: the serving engine the compatibility gate
+    compares a checkpoint's against."""
+
     name: str
     version: str
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """``[[workload]] model = { name, revision }``: the weights the workload serves."""
+
     name: str
     revision: str
 
 
 @dataclass(frozen=True)
 class StartSpec:
+    """``[[workload]] start = { command, cwd, env, user }``: how a cold start runs the workload
+    fresh where its checkpoint does not fit this node (``host/coldstart.py``)."""
+
     command: tuple[str, ...]
     cwd: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
@@ -130,20 +139,6 @@ class WorkloadConfig:
     hooks: WorkloadHooks | None = None  # commands around a checkpoint and a restore (hooks.py)
     container: str | None = None  # a container workload: its name or id (docs/containers.md)
     runtime: str | None = None  # its runtime; None: detected ([containers] detect)
-
-
-@dataclass(frozen=True)
-class CacheSection:
-    """The node's chunk cache (``storage/cache``): every pull on the node reads it first, the
-    daemon's own checkpoints seed it, a standby prefetches into it."""
-
-    enabled: bool = True
-    dir: Path | None = None  # default: <state_dir>/cache
-    max_bytes: int | None = None  # default: the budget recorded there, else 1/4 of its disk
-    seed: bool = True  # the daemon's own checkpoints leave their chunks in it
-
-    def directory(self, state_dir: Path) -> Path:
-        return self.dir or (state_dir / "cache")
 
 
 @dataclass(frozen=True)
@@ -172,7 +167,7 @@ class Config:
     migration: MigrationConfig
     containers: ContainersSection = field(default_factory=ContainersSection)
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    cache: CacheSection = CacheSection()
+    cache: CacheSection = field(default_factory=CacheSection)
 
     def workload(self, name: str) -> WorkloadConfig | None:
         for w in self.workloads:
@@ -225,30 +220,24 @@ def check_key_files(store: StoreSection) -> None:
 
 def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config:
     top = Table(data, "config")
-    daemon = _parse_daemon(top.table("daemon"))
-    store = _parse_store(top.table("store"))
-    workloads = _parse_workloads(top.array_of_tables("workload"))
-    gpu = _parse_gpu(top.table("gpu"))
-    metrics = _parse_metrics(top.table("metrics"))
-    cache = _parse_cache(top.table("cache"))
-    triggers = parse_triggers(top.raw_table("triggers"))
-    migration = parse_migration(top.raw_table("migration"))
-    containers = parse_containers(top.table("containers"))
-    top.done()
-    _check_store_keys(store)
-    return Config(
+    # Keyword arguments are evaluated in order: the sections are read, and their errors
+    # raised, in this order.
+    config = Config(
         path=path,
-        daemon=daemon,
-        store=store,
-        workloads=workloads,
-        gpu=gpu,
-        metrics=metrics,
-        triggers=triggers,
-        migration=migration,
-        containers=containers,
+        daemon=_parse_daemon(top.table("daemon")),
+        store=_parse_store(top.table("store")),
+        workloads=_parse_workloads(top.array_of_tables("workload")),
+        gpu=_parse_gpu(top.table("gpu")),
+        metrics=_parse_metrics(top.table("metrics")),
+        cache=parse_cache(top.table("cache")),
+        triggers=parse_triggers(top.raw_table("triggers")),
+        migration=parse_migration(top.raw_table("migration")),
+        containers=parse_containers(top.table("containers")),
         raw=dict(data),
-        cache=cache,
     )
+    top.done()
+    _check_store_keys(config.store)
+    return config
 
 
 # --- sections ---------------------------------------------------------------------------------
@@ -333,18 +322,6 @@ def _check_interval(t: Table) -> float:
     if not math.isfinite(seconds):  # TOML has inf and nan; neither is a schedule
         raise t.bad("check_interval", "must be a number of seconds (0: off)")
     return seconds
-
-
-def _parse_cache(t: Table) -> CacheSection:
-    d = CacheSection()
-    section = CacheSection(
-        enabled=_or(t.boolean("enabled"), d.enabled),
-        dir=t.path("dir"),
-        max_bytes=t.integer("max_bytes", minimum=1),
-        seed=_or(t.boolean("seed"), d.seed),
-    )
-    t.done()
-    return section
 
 
 def _check_store_keys(store: StoreSection) -> None:

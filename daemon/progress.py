@@ -19,7 +19,6 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import TracebackType
 
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.jobs.executor import JobContext
@@ -69,12 +68,7 @@ class Ticker:
         self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        _type: type[BaseException] | None,
-        _value: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
 

@@ -11,37 +11,43 @@ argument included, is made behind this interface. Methods raise the error kinds 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 from gpusnap.proto.wire import JobView, VerdictView
+
+
+class CheckpointArgs(TypedDict):
+    """``checkpoint``'s keywords, every one given: what a ``CreateCheckpointRequest`` carries.
+    Exactly one of ``pid``, ``workload`` and ``container`` is not None (the service checks)."""
+
+    pid: int | None
+    workload: str | None
+    leave_running: bool
+    trigger: str  # "operator" when the request names none
+    deadline: float | None  # epoch seconds by which it must commit; None: none
+    container: str | None
+    runtime: str | None  # with a container only; None: the runtime that has it
+
+
+class RestoreArgs(TypedDict):
+    """``restore``'s keywords, every one given: what a ``RestoreRequest`` carries. Which of
+    ``checkpoint_id``, ``workload`` and ``latest`` go together is the service's to check."""
+
+    checkpoint_id: str | None
+    workload: str | None
+    latest: bool
+    name: str | None  # restore a container checkpoint as this container
 
 
 class DaemonServiceAPI(Protocol):
     """What ``DaemonService`` offers its API; mirrored one-to-one by ``gpusnap.v1`` RPCs."""
 
-    def checkpoint(
-        self,
-        *,
-        pid: int | None = None,
-        workload: str | None = None,
-        leave_running: bool = False,
-        trigger: str = "operator",
-        deadline: float | None = None,
-        container: str | None = None,
-        runtime: str | None = None,
-    ) -> JobView:
+    def checkpoint(self, **request: Unpack[CheckpointArgs]) -> JobView:
         """Queue a checkpoint of ``pid``'s tree, a configured workload or a container (in
         ``runtime``, or the one that has it); returns at once."""
         ...
 
-    def restore(
-        self,
-        *,
-        checkpoint_id: str | None = None,
-        workload: str | None = None,
-        latest: bool = False,
-        name: str | None = None,
-    ) -> JobView:
+    def restore(self, **request: Unpack[RestoreArgs]) -> JobView:
         """Queue a restore of a checkpoint (or a workload's latest); returns at once. ``name``:
         a container checkpoint restored as that container."""
         ...

@@ -30,7 +30,6 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 from gpusnap.errors import InvalidArgument
 
@@ -196,12 +195,7 @@ class Replacements:
     def __enter__(self) -> Replacements:
         return self
 
-    def __exit__(
-        self,
-        _type: type[BaseException] | None,
-        _value: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         for fd in self.fds:
             os.close(fd)
         self.fds = ()

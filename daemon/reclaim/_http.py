@@ -12,11 +12,20 @@ import http.client
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from urllib.parse import urlsplit
 
-from gpusnap.errors import InvalidArgument, Unavailable
+from gpusnap.errors import Corrupt, InvalidArgument, Unavailable
 
 MAX_BODY = 256 * 1024
+
+
+def epoch_seconds(dt: datetime, no_zone: str) -> float:
+    """A time a metadata service answered, as epoch seconds; ``Corrupt(no_zone)`` when it has
+    no zone (its epoch would be a guess in the node's local time)."""
+    if dt.tzinfo is None:
+        raise Corrupt(no_zone)
+    return dt.timestamp()
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from gpusnap.daemon.reclaim._http import Endpoint, Response
+from gpusnap.daemon.reclaim._http import Endpoint, Response, epoch_seconds
+from gpusnap.daemon.reclaim.config import TriggersConfig
 from gpusnap.daemon.reclaim.notice import Notice
 from gpusnap.errors import Corrupt, Unavailable
 
@@ -49,9 +50,7 @@ def parse_aws_time(value: object, *, what: str) -> float:
         dt = datetime.fromisoformat(value.strip())
     except ValueError as exc:
         raise Corrupt(f"AWS IMDS {what}: not an ISO 8601 time: {value!r:.60}") from exc
-    if dt.tzinfo is None:
-        raise Corrupt(f"AWS IMDS {what}: time without a zone: {value!r:.60}")
-    return dt.timestamp()
+    return epoch_seconds(dt, f"AWS IMDS {what}: time without a zone: {value!r:.60}")
 
 
 class AwsImdsWatcher:
@@ -60,20 +59,15 @@ class AwsImdsWatcher:
     provider = "aws"
 
     def __init__(
-        self,
-        base_url: str,
-        *,
-        poll_interval: float = 5.0,
-        timeout: float = 2.0,
-        token_ttl: int = 21600,
-        watch_rebalance: bool = True,
-        clock: Callable[[], float] = time.time,
+        self, cfg: TriggersConfig, *, token_ttl: int = 21600, clock: Callable[[], float] = time.time
     ) -> None:
+        """``[triggers]`` gives the IMDS (``aws_imds_url``), ``poll_interval``, ``http_timeout``
+        and whether to watch the rebalance recommendation (``aws_rebalance``)."""
         self.name = "aws"
-        self.imds = Endpoint(base_url, timeout)
-        self.poll_interval = poll_interval
+        self.imds = Endpoint(cfg.aws_imds_url, cfg.http_timeout)
+        self.poll_interval = cfg.poll_interval
         self.token_ttl = token_ttl
-        self.watch_rebalance = watch_rebalance
+        self.watch_rebalance = cfg.aws_rebalance
         self._clock = clock
         self._lock = threading.Lock()
         self._token: str | None = None

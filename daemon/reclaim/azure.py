@@ -28,7 +28,8 @@ from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from gpusnap.daemon.reclaim._http import Endpoint, Response
+from gpusnap.daemon.reclaim._http import Endpoint, Response, epoch_seconds
+from gpusnap.daemon.reclaim.config import TriggersConfig
 from gpusnap.daemon.reclaim.notice import Notice, NoticeKind
 from gpusnap.errors import Corrupt, Unavailable
 
@@ -50,9 +51,7 @@ def parse_rfc1123(value: str) -> float:
         dt = parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError) as exc:
         raise Corrupt(f"Azure scheduled event NotBefore is not RFC 1123: {value[:60]!r}") from exc
-    if dt.tzinfo is None:
-        raise Corrupt(f"Azure scheduled event NotBefore has no zone: {value[:60]!r}")
-    return dt.timestamp()
+    return epoch_seconds(dt, f"Azure scheduled event NotBefore has no zone: {value[:60]!r}")
 
 
 class AzureScheduledEventsWatcher:
@@ -60,20 +59,20 @@ class AzureScheduledEventsWatcher:
 
     def __init__(
         self,
-        base_url: str,
+        cfg: TriggersConfig,
         *,
         api_version: str = "2020-07-01",
-        poll_interval: float = 1.0,
-        timeout: float = 2.0,
-        default_notice_s: float = 30.0,
         vm_name: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``[triggers]`` gives the IMDS (``azure_metadata_url``), ``azure_poll_interval``,
+        ``http_timeout`` and the deadline of an event without NotBefore (``preempt_notice``).
+        ``vm_name`` None: asked of the IMDS, to tell this VM's events from its neighbours'."""
         self.name = "azure"
-        self.imds = Endpoint(base_url, timeout, {"Metadata": "true"})
+        self.imds = Endpoint(cfg.azure_metadata_url, cfg.http_timeout, {"Metadata": "true"})
         self.events_path = f"{EVENTS_PATH}?api-version={api_version}"
-        self.poll_interval = poll_interval
-        self.default_notice_s = default_notice_s
+        self.poll_interval = cfg.azure_poll_interval
+        self.default_notice_s = cfg.preempt_notice
         self.vm_name = vm_name
         self._name_known = vm_name is not None
         self._clock = clock

@@ -26,6 +26,7 @@ from typing import Literal
 from urllib.parse import quote
 
 from gpusnap.daemon.reclaim._http import Endpoint
+from gpusnap.daemon.reclaim.config import TriggersConfig
 from gpusnap.daemon.reclaim.notice import Notice, NoticeKind
 from gpusnap.errors import Corrupt, NotFound, Unavailable
 
@@ -44,26 +45,30 @@ class GcpMetadataWatcher:
 
     def __init__(
         self,
-        base_url: str,
+        cfg: TriggersConfig,
         key: GcpKey = "preempted",
         *,
-        wait_timeout_s: int = 60,
         http_margin_s: float = 10.0,
-        preempt_notice_s: float = 30.0,
         maintenance_notice_s: float = 60.0,
         min_poll_interval: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``[triggers]`` gives the metadata server (``gcp_metadata_url``), how long one long
+        poll waits (``gcp_wait_timeout``; the HTTP timeout is that plus ``http_margin_s``) and a
+        preemption's deadline (``preempt_notice``)."""
+        wait_timeout_s = cfg.gcp_wait_timeout
         if key not in ("preempted", "maintenance-event"):
             raise ValueError(f"unknown GCP metadata key {key!r}")
         self.key: GcpKey = key
         self.name = f"gcp:{key}"
         self.wait_timeout_s = wait_timeout_s
         self.http_margin_s = http_margin_s
-        self.metadata = Endpoint(base_url, wait_timeout_s + http_margin_s, {FLAVOR[0]: FLAVOR[1]})
+        self.metadata = Endpoint(
+            cfg.gcp_metadata_url, wait_timeout_s + http_margin_s, {FLAVOR[0]: FLAVOR[1]}
+        )
         # The value that means "the VM is going away", and the notice it gives.
         self._going: tuple[str, NoticeKind, float, str] = (
-            ("TRUE", "reclaim", preempt_notice_s, "preempted")
+            ("TRUE", "reclaim", cfg.preempt_notice, "preempted")
             if key == "preempted"
             # The VM stops at the event, and so does the daemon: one per lifetime.
             else (

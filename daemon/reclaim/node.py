@@ -8,11 +8,21 @@ it, so reclaim never depends on the service); tests pass a fake node with the sa
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypedDict, Unpack
 
 from gpusnap.daemon.jobs.job import Job
 from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.storage.store import CheckpointStore
+
+
+class CheckpointOrder(TypedDict):
+    """What reclaim asks of a checkpoint, every key given (the keywords of ``checkpoint``)."""
+
+    workload: str  # a configured workload
+    leave_running: bool  # False: kill mode, the reclaim; True: a background checkpoint
+    trigger: str  # recorded in the job: "reclaim:aws", "periodic", ...
+    deadline: float | None  # epoch seconds by which it must commit; None: none
+    compress: bool
 
 
 class StoreAccess(Protocol):
@@ -27,15 +37,7 @@ class NodeDaemon(Protocol):
     @property
     def store(self) -> StoreAccess: ...
 
-    def checkpoint(
-        self,
-        *,
-        workload: str,
-        leave_running: bool,
-        trigger: str,
-        deadline: float | None,
-        compress: bool,
-    ) -> Job:
+    def checkpoint(self, **order: Unpack[CheckpointOrder]) -> Job:
         """Queue a checkpoint job of a configured workload and return it at once;
         ``FailedPrecondition`` while another checkpoint of it runs."""
         ...

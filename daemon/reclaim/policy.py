@@ -205,7 +205,9 @@ class PolicyEngine:
             self._supersede(workload, notice.deadline)
             compress = self._compress_for(workload, notice.deadline)
             trigger = "drill" if notice.provider == "drill" else notice.trigger
-            job = self._start_reclaim_job(workload, trigger, notice.deadline, compress)
+            job = self._start_job(
+                workload, trigger, reclaim=True, deadline=notice.deadline, compress=compress
+            )
             task.job_id = job.id
             log.warning(
                 "%s: reclaim checkpoint %s started (%s, compress=%s)",
@@ -245,24 +247,27 @@ class PolicyEngine:
         finally:
             task.done.set()
 
-    def _start_reclaim_job(
-        self, workload: str, trigger: str, deadline: float | None, compress: bool
+    def _start_job(
+        self, workload: str, trigger: str, *, reclaim: bool, deadline: float | None, compress: bool
     ) -> Job:
-        """Start the kill-mode checkpoint; while another checkpoint of the workload still
-        holds it (``FailedPrecondition``: one the policy did not start, or one that did not
-        stop in time), retry until the deadline."""
-        end = deadline if deadline is not None else self._clock() + self.cancel_wait_s
+        """Start a checkpoint of ``workload``: a reclaim's (kill mode) or a background one
+        (leave running). While another checkpoint of the workload still holds it
+        (``FailedPrecondition``: one the policy did not start, or one that did not stop in
+        time) a reclaim retries until its deadline; a background one gives up at once."""
+        end = 0.0  # a background checkpoint tries once
+        if reclaim:
+            end = deadline if deadline is not None else self._clock() + self.cancel_wait_s
         while True:
             try:
                 return self._node.checkpoint(
                     workload=workload,
-                    leave_running=False,
+                    leave_running=not reclaim,
                     trigger=trigger,
                     deadline=deadline,
                     compress=compress,
                 )
             except FailedPrecondition as exc:
-                if self._clock() >= end:
+                if not reclaim or self._clock() >= end:
                     raise
                 log.info("%s: waiting to reclaim: %s", workload, exc)
                 time.sleep(0.2)
@@ -341,12 +346,8 @@ class PolicyEngine:
             if purpose == "periodic":
                 self._last_periodic[workload] = self._clock()
             try:
-                job = self._node.checkpoint(
-                    workload=workload,
-                    leave_running=True,
-                    trigger=trigger,
-                    deadline=None,
-                    compress=True,
+                job = self._start_job(
+                    workload, trigger, reclaim=False, deadline=None, compress=True
                 )
             except GpusnapError as exc:
                 log.warning("%s: %s checkpoint not started: %s", workload, purpose, exc)

@@ -66,34 +66,12 @@ def build_watchers(cfg: TriggersConfig) -> tuple[list[Watcher], str]:
 
 def _watchers(provider: str, cfg: TriggersConfig) -> list[Watcher]:
     if provider == "aws":
-        return [
-            AwsImdsWatcher(
-                cfg.aws_imds_url,
-                poll_interval=cfg.poll_interval,
-                timeout=cfg.http_timeout,
-                watch_rebalance=cfg.aws_rebalance,
-            )
-        ]
+        return [AwsImdsWatcher(cfg)]
     if provider == "gcp":
         keys: list[GcpKey] = ["preempted"]  # one long poll, so one watcher, per key
         if cfg.gcp_maintenance:
             keys.append("maintenance-event")
-        return [
-            GcpMetadataWatcher(
-                cfg.gcp_metadata_url,
-                key,
-                wait_timeout_s=cfg.gcp_wait_timeout,
-                preempt_notice_s=cfg.preempt_notice,
-            )
-            for key in keys
-        ]
+        return [GcpMetadataWatcher(cfg, key) for key in keys]
     if provider == "azure":
-        return [
-            AzureScheduledEventsWatcher(
-                cfg.azure_metadata_url,
-                poll_interval=cfg.azure_poll_interval,
-                timeout=cfg.http_timeout,
-                default_notice_s=cfg.preempt_notice,
-            )
-        ]
+        return [AzureScheduledEventsWatcher(cfg)]
     return []

@@ -10,6 +10,7 @@ at the boundary (``raise Unavailable(...) from exc``). The gRPC servicer and the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 # Exit codes are a contract that operators' scripts rely on.
 EXIT_OK = 0
@@ -21,71 +22,66 @@ EXIT_DAEMON_UNREACHABLE = 5
 
 
 class GpusnapError(Exception):
-    """Base of every error gpusnap reports to a user. ``str(err)`` is one line."""
+    """Base of every error gpusnap reports to a user. ``str(err)`` is one line.
 
-    kind = "internal"
-    retryable = False
+    A kind names itself in its class line, ``class NotFound(GpusnapError, kind="not_found")``
+    (and ``retryable=True`` where a retry may help); a subclass that names none is its
+    parent's kind."""
+
+    kind: ClassVar[str] = "internal"
+    retryable: ClassVar[bool] = False
+
+    def __init_subclass__(
+        cls, *, kind: str | None = None, retryable: bool | None = None, **kwargs: Any
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            cls.kind = kind
+        if retryable is not None:
+            cls.retryable = retryable
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
 
 
-class NotFound(GpusnapError):
-    kind = "not_found"
+class NotFound(GpusnapError, kind="not_found"): ...
 
 
-class AlreadyExists(GpusnapError):
-    kind = "already_exists"
+class AlreadyExists(GpusnapError, kind="already_exists"): ...
 
 
-class InvalidArgument(GpusnapError):
-    kind = "invalid_argument"
+class InvalidArgument(GpusnapError, kind="invalid_argument"): ...
 
 
-class FailedPrecondition(GpusnapError):
-    kind = "failed_precondition"
+class FailedPrecondition(GpusnapError, kind="failed_precondition"): ...
 
 
-class Incompatible(GpusnapError):
+class Incompatible(GpusnapError, kind="incompatible"):
     """The checkpoint's stamp does not match this node; the reasons are in the message."""
 
-    kind = "incompatible"
 
-
-class Unavailable(GpusnapError):
+class Unavailable(GpusnapError, kind="unavailable", retryable=True):
     """A dependency (store, driver, daemon) could not be reached. Worth retrying."""
 
-    kind = "unavailable"
-    retryable = True
 
-
-class Corrupt(GpusnapError):
+class Corrupt(GpusnapError, kind="corrupt"):
     """Data failed an integrity or authenticity check: a hash, a signature, a path."""
 
-    kind = "corrupt"
+
+class Unsupported(GpusnapError, kind="unsupported"): ...
 
 
-class Unsupported(GpusnapError):
-    kind = "unsupported"
-
-
-class Unreachable(Unavailable):
+class Unreachable(Unavailable, kind="unreachable"):
     """The daemon itself cannot be reached (no socket, refused, not ours to open)."""
 
-    kind = "unreachable"
+
+class DeadlineExceeded(GpusnapError, kind="deadline_exceeded", retryable=True): ...
 
 
-class DeadlineExceeded(GpusnapError):
-    kind = "deadline_exceeded"
-    retryable = True
+class Cancelled(GpusnapError, kind="cancelled"): ...
 
 
-class Cancelled(GpusnapError):
-    kind = "cancelled"
-
-
-class Internal(GpusnapError):
-    kind = "internal"
+class Internal(GpusnapError, kind="internal"): ...
 
 
 @dataclass(frozen=True)

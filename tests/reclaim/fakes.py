@@ -6,9 +6,10 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Unpack
 
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState
-from gpusnap.daemon.reclaim.node import StoreAccess
+from gpusnap.daemon.reclaim.node import CheckpointOrder, StoreAccess
 from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import FailedPrecondition, Unavailable, Unsupported
 from gpusnap.storage.manifest import new_checkpoint_id
@@ -61,15 +62,8 @@ class FakeNode:
     def store(self) -> StoreAccess:
         return self.store_handle
 
-    def checkpoint(
-        self,
-        *,
-        workload: str,
-        leave_running: bool,
-        trigger: str,
-        deadline: float | None,
-        compress: bool,
-    ) -> Job:
+    def checkpoint(self, **order: Unpack[CheckpointOrder]) -> Job:
+        workload, leave_running = order["workload"], order["leave_running"]
         with self.lock:
             busy = [
                 j
@@ -80,12 +74,10 @@ class FakeNode:
                 raise FailedPrecondition(f"workload {workload} already has job {busy[0].id}")
             jid = f"job-{next(self._ids)}"
             job = Job(jid, JobKind.CHECKPOINT, workload, state=JobState.RUNNING)
-            job.trigger, job.deadline = trigger, deadline
+            job.trigger, job.deadline = order["trigger"], order["deadline"]
             self.jobs[jid] = job
             self.done[jid] = threading.Event()
-            self.calls.append(
-                Call(time.monotonic(), workload, leave_running, trigger, deadline, compress, jid)
-            )
+            self.calls.append(Call(at=time.monotonic(), job_id=jid, **order))
         end = self.auto.get("keep" if leave_running else "kill")
         if end is not None:
             self.finish(jid, end)

@@ -12,7 +12,7 @@ import pytest
 from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
 from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
-from gpusnap.daemon.reclaim.config import WorkloadPolicy
+from gpusnap.daemon.reclaim.config import TriggersConfig, WorkloadPolicy
 from gpusnap.daemon.reclaim.manager import TriggerManager
 from gpusnap.daemon.reclaim.notice import Notice, drill_notice
 from gpusnap.daemon.reclaim.policy import PolicyEngine
@@ -225,7 +225,9 @@ def test_azure_is_approved_only_after_the_commit() -> None:
         eid = server.schedule("Preempt")
         node = FakeNode()
         eng = PolicyEngine(node, [WorkloadPolicy("llm")])
-        w = AzureScheduledEventsWatcher(server.url, poll_interval=0.05)
+        w = AzureScheduledEventsWatcher(
+            TriggersConfig(azure_metadata_url=server.url, azure_poll_interval=0.05)
+        )
         mgr = TriggerManager([w], eng.on_notice)
         mgr.start()
         try:
@@ -247,7 +249,7 @@ def test_aws_notice_polled_many_times_starts_one_checkpoint() -> None:
         server.announce_reclaim()
         node = FakeNode(auto={"kill": JobState.SUCCEEDED})
         eng = PolicyEngine(node, [WorkloadPolicy("a"), WorkloadPolicy("b")])
-        w = AwsImdsWatcher(server.url, poll_interval=0.02)
+        w = AwsImdsWatcher(TriggersConfig(aws_imds_url=server.url, poll_interval=0.02))
         mgr = TriggerManager([w], eng.on_notice)
         mgr.start()
         try:

@@ -11,6 +11,7 @@ import pytest
 
 from gpusnap.daemon.reclaim.aws import AwsImdsWatcher
 from gpusnap.daemon.reclaim.azure import AzureScheduledEventsWatcher
+from gpusnap.daemon.reclaim.config import TriggersConfig
 from gpusnap.daemon.reclaim.gcp import GcpMetadataWatcher
 from gpusnap.daemon.reclaim.manager import TriggerManager, Watcher
 from gpusnap.daemon.reclaim.notice import Notice
@@ -48,7 +49,7 @@ def azure() -> Iterator[AzureEventsServer]:
 
 
 def test_aws_no_notice_is_404_and_uses_a_token(aws: AwsImdsServer) -> None:
-    w = AwsImdsWatcher(aws.url, timeout=2)
+    w = AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url, http_timeout=2))
     assert w.poll() == []
     puts = aws.requests_to("/latest/api/token", "PUT")
     assert len(puts) == 1
@@ -64,7 +65,7 @@ def test_aws_no_notice_is_404_and_uses_a_token(aws: AwsImdsServer) -> None:
 
 def test_aws_instance_action_gives_a_reclaim_with_the_notice_time(aws: AwsImdsServer) -> None:
     at = aws.announce_reclaim("terminate", time.time() + 120)
-    notices = AwsImdsWatcher(aws.url).poll()
+    notices = AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url)).poll()
     assert [n.kind for n in notices] == ["reclaim"]
     assert notices[0].deadline == at
     assert notices[0].provider == "aws"
@@ -73,7 +74,7 @@ def test_aws_instance_action_gives_a_reclaim_with_the_notice_time(aws: AwsImdsSe
 
 def test_aws_same_notice_twice_has_the_same_key_and_a_new_one_differs(aws: AwsImdsServer) -> None:
     aws.announce_reclaim("stop", time.time() + 100)
-    w = AwsImdsWatcher(aws.url)
+    w = AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url))
     first, second = w.poll()[0], w.poll()[0]
     assert first.key == second.key
     aws.announce_reclaim("terminate", time.time() + 100)
@@ -83,19 +84,19 @@ def test_aws_same_notice_twice_has_the_same_key_and_a_new_one_differs(aws: AwsIm
 def test_aws_hibernate_deadline_is_now(aws: AwsImdsServer) -> None:
     aws.announce_reclaim("hibernate", time.time() + 120)
     before = time.time()
-    notice = AwsImdsWatcher(aws.url).poll()[0]
+    notice = AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url)).poll()[0]
     assert notice.deadline is not None and notice.deadline <= time.time() + 1
     assert notice.deadline >= before - 1
 
 
 def test_aws_rebalance_is_an_early_signal_without_deadline(aws: AwsImdsServer) -> None:
     aws.recommend_rebalance()
-    notices = AwsImdsWatcher(aws.url).poll()
+    notices = AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url)).poll()
     assert [(n.kind, n.deadline) for n in notices] == [("rebalance", None)]
 
 
 def test_aws_refetches_the_token_on_401(aws: AwsImdsServer) -> None:
-    w = AwsImdsWatcher(aws.url)
+    w = AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url))
     assert w.poll() == []
     aws.expire_tokens()
     aws.announce_reclaim()
@@ -109,7 +110,9 @@ def test_aws_refetches_the_token_on_401(aws: AwsImdsServer) -> None:
 
 
 def test_aws_refreshes_the_token_before_it_expires(aws: AwsImdsServer) -> None:
-    w = AwsImdsWatcher(aws.url, token_ttl=2)  # refresh margin is a quarter: 0.5 s
+    w = AwsImdsWatcher(
+        TriggersConfig(aws_imds_url=aws.url), token_ttl=2
+    )  # refresh margin is a quarter: 0.5 s
     w.poll()
     time.sleep(1.6)
     w.poll()
@@ -121,14 +124,14 @@ def test_aws_garbage_is_corrupt(aws: AwsImdsServer) -> None:
     aws.announce_reclaim()
     aws.instance_action = {"action": "explode", "time": "soon"}
     with pytest.raises(Corrupt):
-        AwsImdsWatcher(aws.url).poll()
+        AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url)).poll()
 
 
 # --- GCP ------------------------------------------------------------------------------------
 
 
 def test_gcp_first_poll_returns_at_once_with_false(gcp: GcpMetadataServer) -> None:
-    w = GcpMetadataWatcher(gcp.url, wait_timeout_s=30)
+    w = GcpMetadataWatcher(TriggersConfig(gcp_metadata_url=gcp.url, gcp_wait_timeout=30))
     t0 = time.monotonic()
     assert w.poll() == []
     assert time.monotonic() - t0 < 10  # last_etag=NONE must not wait for a change
@@ -140,7 +143,7 @@ def test_gcp_first_poll_returns_at_once_with_false(gcp: GcpMetadataServer) -> No
 
 
 def test_gcp_long_poll_resumes_from_the_etag_and_wakes_on_change(gcp: GcpMetadataServer) -> None:
-    w = GcpMetadataWatcher(gcp.url, wait_timeout_s=20)
+    w = GcpMetadataWatcher(TriggersConfig(gcp_metadata_url=gcp.url, gcp_wait_timeout=20))
     w.poll()
     result: list[list[Notice]] = []
     t = threading.Thread(target=lambda: result.append(w.poll()))
@@ -160,7 +163,9 @@ def test_gcp_long_poll_resumes_from_the_etag_and_wakes_on_change(gcp: GcpMetadat
 
 def test_gcp_maintenance_terminate_is_a_notice(gcp: GcpMetadataServer) -> None:
     gcp.set("maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
-    notices = GcpMetadataWatcher(gcp.url, "maintenance-event", wait_timeout_s=5).poll()
+    notices = GcpMetadataWatcher(
+        TriggersConfig(gcp_metadata_url=gcp.url, gcp_wait_timeout=5), "maintenance-event"
+    ).poll()
     assert [n.kind for n in notices] == ["maintenance"]
 
 
@@ -168,26 +173,28 @@ def test_gcp_reply_without_flavor_header_is_rejected(gcp: GcpMetadataServer) -> 
     gcp.send_flavor = False
     gcp.preempt()
     with pytest.raises(Corrupt, match="Metadata-Flavor"):
-        GcpMetadataWatcher(gcp.url, wait_timeout_s=5).poll()
+        GcpMetadataWatcher(TriggersConfig(gcp_metadata_url=gcp.url, gcp_wait_timeout=5)).poll()
 
 
 def test_gcp_garbage_value_is_corrupt(gcp: GcpMetadataServer) -> None:
     gcp.set("preempted", "MAYBE")
     with pytest.raises(Corrupt):
-        GcpMetadataWatcher(gcp.url, wait_timeout_s=5).poll()
+        GcpMetadataWatcher(TriggersConfig(gcp_metadata_url=gcp.url, gcp_wait_timeout=5)).poll()
 
 
 def test_gcp_missing_key_is_not_found(gcp: GcpMetadataServer) -> None:
     del gcp.values["maintenance-event"]
     with pytest.raises(NotFound):
-        GcpMetadataWatcher(gcp.url, "maintenance-event", wait_timeout_s=5).poll()
+        GcpMetadataWatcher(
+            TriggersConfig(gcp_metadata_url=gcp.url, gcp_wait_timeout=5), "maintenance-event"
+        ).poll()
 
 
 # --- Azure ----------------------------------------------------------------------------------
 
 
 def test_azure_no_events(azure: AzureEventsServer) -> None:
-    w = AzureScheduledEventsWatcher(azure.url)
+    w = AzureScheduledEventsWatcher(TriggersConfig(azure_metadata_url=azure.url))
     assert w.poll() == []
     req = azure.requests_to("/metadata/scheduledevents")[0]
     assert req.headers["metadata"] == "true"
@@ -198,25 +205,25 @@ def test_azure_preempt_deadline_is_not_before(azure: AzureEventsServer) -> None:
     nb = float(int(time.time()) + 40)
     eid = azure.schedule("Preempt", not_before=nb)
     azure.schedule("Freeze")
-    (notice,) = AzureScheduledEventsWatcher(azure.url).poll()
+    (notice,) = AzureScheduledEventsWatcher(TriggersConfig(azure_metadata_url=azure.url)).poll()
     assert (notice.kind, notice.event_id, notice.deadline) == ("reclaim", eid, nb)
 
 
 def test_azure_terminate_without_not_before_gets_30s(azure: AzureEventsServer) -> None:
     azure.schedule("Terminate")
     azure.events[0]["NotBefore"] = ""
-    (notice,) = AzureScheduledEventsWatcher(azure.url).poll()
+    (notice,) = AzureScheduledEventsWatcher(TriggersConfig(azure_metadata_url=azure.url)).poll()
     assert notice.deadline == pytest.approx(notice.received_at + 30)
 
 
 def test_azure_ignores_events_for_other_vms(azure: AzureEventsServer) -> None:
     azure.schedule("Preempt", resources=["someone-else"])
-    assert AzureScheduledEventsWatcher(azure.url).poll() == []
+    assert AzureScheduledEventsWatcher(TriggersConfig(azure_metadata_url=azure.url)).poll() == []
 
 
 def test_azure_ack_posts_start_requests(azure: AzureEventsServer) -> None:
     eid = azure.schedule("Preempt")
-    (notice,) = AzureScheduledEventsWatcher(azure.url).poll()
+    (notice,) = AzureScheduledEventsWatcher(TriggersConfig(azure_metadata_url=azure.url)).poll()
     assert azure.approvals == []  # polling never approves
     notice.ack()
     post = azure.requests_to("/metadata/scheduledevents", "POST")[0]
@@ -228,7 +235,9 @@ def test_azure_ack_posts_start_requests(azure: AzureEventsServer) -> None:
 def test_azure_garbage_is_corrupt(azure: AzureEventsServer) -> None:
     azure.mode = "garbage"
     with pytest.raises(Corrupt):
-        AzureScheduledEventsWatcher(azure.url, vm_name="gpu-node-a").poll()
+        AzureScheduledEventsWatcher(
+            TriggersConfig(azure_metadata_url=azure.url), vm_name="gpu-node-a"
+        ).poll()
 
 
 # --- misbehaving services, through the manager ----------------------------------------------
@@ -236,11 +245,19 @@ def test_azure_garbage_is_corrupt(azure: AzureEventsServer) -> None:
 
 def _watchers(name: str, url: str, timeout: float) -> Watcher:
     if name == "aws":
-        return AwsImdsWatcher(url, timeout=timeout, poll_interval=0.05)
+        return AwsImdsWatcher(
+            TriggersConfig(aws_imds_url=url, http_timeout=timeout, poll_interval=0.05)
+        )
     if name == "gcp":
-        w = GcpMetadataWatcher(url, wait_timeout_s=1, http_margin_s=timeout, min_poll_interval=0.05)
+        w = GcpMetadataWatcher(
+            TriggersConfig(gcp_metadata_url=url, gcp_wait_timeout=1),
+            http_margin_s=timeout,
+            min_poll_interval=0.05,
+        )
         return w
-    return AzureScheduledEventsWatcher(url, timeout=timeout, poll_interval=0.05)
+    return AzureScheduledEventsWatcher(
+        TriggersConfig(azure_metadata_url=url, http_timeout=timeout, azure_poll_interval=0.05)
+    )
 
 
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
@@ -310,7 +327,7 @@ def test_manager_survives_a_handler_that_raises(aws: AwsImdsServer) -> None:
         calls.append(n)
         raise RuntimeError("boom")
 
-    w = AwsImdsWatcher(aws.url)
+    w = AwsImdsWatcher(TriggersConfig(aws_imds_url=aws.url))
     mgr = TriggerManager([w], handler)
     assert mgr.poll_once(w) is True
     assert mgr.poll_once(w) is True
