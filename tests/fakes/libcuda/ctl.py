@@ -23,7 +23,21 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from gpusnap.daemon.gpu.driver import restore_args
-from tests.fakes.libcuda.cucheck import CudaError, check
+
+
+# Kept in each script (not imported from tests.fakes): a hook or a CRIU-restored process
+# runs the script by its path, where the tests package is not importable.
+class CudaError(Exception):
+    """A driver call failed; the message is the CUresult's name (``CUDA_ERROR_...``)."""
+
+
+def check(result: Any) -> Any:
+    """The value(s) of a successful call: None, one value, or a tuple of them."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(cu.CUresult(err).name)
+    return values[0] if len(values) == 1 else tuple(values) if values else None
+
 
 STATES: dict[int, str] = {
     int(s): s.name.removeprefix("CU_PROCESS_STATE_") for s in cu.CUprocessState

@@ -20,7 +20,20 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
-from tests.fakes.libcuda.cucheck import CudaError, check
+
+# Kept in each script (not imported from tests.fakes): a hook or a CRIU-restored process
+# runs the script by its path, where the tests package is not importable.
+class CudaError(Exception):
+    """A driver call failed; the message is the CUresult's name (``CUDA_ERROR_...``)."""
+
+
+def check(result: Any) -> Any:
+    """The value(s) of a successful call: None, one value, or a tuple of them."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(cu.CUresult(err).name)
+    return values[0] if len(values) == 1 else tuple(values) if values else None
+
 
 BLOCK = 64 * 2**20  # randbytes cannot make much more at once
 
