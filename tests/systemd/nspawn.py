@@ -125,11 +125,13 @@ class Container:
         ]
         if self.freezable:
             flags.append("$freezable_bind")  # empty when no loop device could be had
-        # The checkout is opened before /tmp is covered, so it can be bound even from under
-        # /tmp. Everything from `mount -t tmpfs` on happens in the private mount namespace.
+        # The checkout and the rootfs archive are opened before /tmp is covered, so both can
+        # be reached even from under /tmp (a checkout in /tmp). Everything from
+        # `mount -t tmpfs` on happens in the private mount namespace.
         script = f"""
 set -e
 exec 3<{shlex.quote(str(self.src))}
+exec 4<{shlex.quote(str(self.rootfs_tar))}
 echo $$ > {shlex.quote(str(self.cgroup / "cgroup.procs"))}
 mount -t tmpfs -o mode=1777 gpusnap-nspawn-tmp /tmp
 mkdir -p /run/systemd
@@ -137,7 +139,8 @@ mount -t tmpfs -o mode=0755 gpusnap-nspawn-run /run/systemd
 mkdir /tmp/root /tmp/src
 mount --no-canonicalize --bind /proc/self/fd/3 /tmp/src
 exec 3<&-
-zstd -q -dc {shlex.quote(str(self.rootfs_tar))} | tar -C /tmp/root --numeric-owner -xf -
+zstd -q -dc <&4 | tar -C /tmp/root --numeric-owner -xf -
+exec 4<&-
 freezable_bind=
 if [ {int(self.freezable)} = 1 ] && truncate -s 256M /tmp/freezable.img \
     && mkfs.ext4 -q -F /tmp/freezable.img && mkdir /tmp/freezable \
