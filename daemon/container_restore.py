@@ -64,6 +64,26 @@ def fetch_figures(pulled: PullResult, streamed: PullStats) -> dict[str, Any]:
     }
 
 
+def restore_device_memory(
+    node: Node,
+    pids: list[int],
+    gpu_stamp: dict[str, Any],
+    store: CheckpointStore,
+    manifest: Manifest,
+) -> PullStats:
+    """A restore's RESTORE_GPU phase (a process tree's too): the processes' device memory back
+    on this node's GPUs, what it read of the store counted in the metrics (raised or not).
+    Returns what it read (device memory streams with custom storage; none otherwise)."""
+    streamed = PullStats()
+    try:
+        node.gpu.restore(pids, gpu_stamp, source=committed_source(store, manifest, streamed))
+    finally:
+        METRICS.observe_fetch(
+            "restore", fetched=streamed.bytes_fetched, cached=streamed.bytes_cached
+        )
+    return streamed
+
+
 def run_container_restore(
     node: Node, ctx: JobContext, manifest: Manifest, *, name: str | None
 ) -> None:
@@ -96,21 +116,17 @@ def run_container_restore(
         restore_seconds = time.monotonic() - t0
         ctx.phase(Phase.RESTORE_GPU)
         gpu_stamp = stamp.get("gpu")
-        streamed = PullStats()  # device memory read back through custom storage, if any
-        try:
-            node.gpu.restore(
-                list(info.pids),
-                remap_gpu_stamp(
-                    gpu_stamp if isinstance(gpu_stamp, dict) else {},
-                    recorded_ns_pids(stamp),
-                    ns_pids(info.pids),
-                ),
-                source=committed_source(store, manifest, streamed),
-            )
-        finally:
-            METRICS.observe_fetch(
-                "restore", fetched=streamed.bytes_fetched, cached=streamed.bytes_cached
-            )
+        streamed = restore_device_memory(
+            node,
+            list(info.pids),
+            remap_gpu_stamp(
+                gpu_stamp if isinstance(gpu_stamp, dict) else {},
+                recorded_ns_pids(stamp),
+                ns_pids(info.pids),
+            ),
+            store,
+            manifest,
+        )
         ctx.result(
             mode="restored",
             pids=list(info.pids),

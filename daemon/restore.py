@@ -17,22 +17,20 @@ from typing import Any
 from gpusnap.daemon.container_restore import (
     fetch_figures,
     pull_into_staging,
+    restore_device_memory,
     run_container_restore,
 )
 from gpusnap.daemon.container_stamp import is_container
-from gpusnap.daemon.gpu_memory import committed_source
 from gpusnap.daemon.gpu_tree import give_up
 from gpusnap.daemon.hooks import JobHooks
 from gpusnap.daemon.host import coldstart, proctree, scopes
 from gpusnap.daemon.host.criu import can_punch_holes, remove_logs, systemd_running
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
-from gpusnap.daemon.metrics import METRICS
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage import CheckpointStore, Manifest
-from gpusnap.storage.pull import PullStats
 
 log = logging.getLogger(__name__)
 
@@ -108,20 +106,17 @@ def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
                 node.adopt(pid)
         ctx.phase(Phase.RESTORE_GPU)
         gpu_stamp = manifest.stamp.get("gpu")
-        streamed = PullStats()  # device memory read back through custom storage, if any
         try:
-            node.gpu.restore(
+            streamed = restore_device_memory(
+                node,
                 pids or [restored.pid],
                 gpu_stamp if isinstance(gpu_stamp, dict) else {},
-                source=committed_source(store, manifest, streamed),
+                store,
+                manifest,
             )
         except GpusnapError as err:  # no retry exists: the restored tree is lost
             _cold_start(node, ctx, manifest, [give_up(err, [restored.pid, *pids])])
             return
-        finally:
-            METRICS.observe_fetch(
-                "restore", fetched=streamed.bytes_fetched, cached=streamed.bytes_cached
-            )
         tree = [restored.pid, *[p for p in pids if p != restored.pid]]
         ctx.result(
             mode="restored",
