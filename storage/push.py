@@ -325,16 +325,20 @@ def upload_streams(
     *,
     compress: bool | None,
     progress: ProgressFn | None,
+    full: bool = False,
     seed_cache: bool = False,
 ) -> UploadedStreams:
-    """Put the chunks of ``streams`` in the store now; a later push names them (no manifest)."""
+    """Put the chunks of ``streams`` in the store now; a later push names them (no manifest).
+    ``full``: every chunk put, none taken on the index's word (for a full push)."""
     started = time.monotonic()
     ctx = _seeded(ctx, seed_cache)
     ctx.keys.check_can_push()
     inputs, kinds = _stream_inputs(ctx.chunker, streams, ())
     refresh_identity(ctx)
     sync_index_if_gc_ran(ctx)
-    entries, stats = push_inputs(ctx, inputs, compress=compress is not False, progress=progress)
+    entries, stats = push_inputs(
+        ctx, inputs, compress=compress is not False, progress=progress, use_index=not full
+    )
     return _uploaded(entries, stats, started, kinds)
 
 
@@ -347,6 +351,7 @@ def upload_growing(
     stop: Callable[[], bool],
     kind: str,
     compress: bool | None,
+    full: bool = False,
     seed_cache: bool = False,
 ) -> UploadedStreams:
     """Upload a file while its writer appends to it (``CheckpointStore.upload_growing``)."""
@@ -357,7 +362,9 @@ def upload_growing(
     source = growing_file_input(path, name, ctx.chunker, complete, stop=stop)
     refresh_identity(ctx)
     sync_index_if_gc_ran(ctx)
-    entries, stats = push_inputs(ctx, [source], compress=compress is not False, progress=None)
+    entries, stats = push_inputs(
+        ctx, [source], compress=compress is not False, progress=None, use_index=not full
+    )
     uploaded = _uploaded(entries, stats, started, {name: kind})
     uploaded.of_files.add(name)
     return uploaded

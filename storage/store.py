@@ -119,7 +119,9 @@ class CheckpointStore:
         Chunks the local index lists are not uploaded, and are proven present in the store
         before the commit (those it lacks are uploaded after all). ``full`` uploads every
         chunk whatever the index says, replacing the objects (for a workload whose latest
-        checkpoint a check found damaged; ``parent`` is then only a cutting hint).
+        checkpoint a check found damaged; ``parent`` is then only a cutting hint); the
+        ``uploaded_streams`` of a full push are uploaded with ``full`` too, since the push
+        names their chunks as they went up.
 
         ``seed_cache`` keeps every chunk object this push uploads in the node's chunk cache
         too (when the store has one): what a node just pushed, it holds.
@@ -147,17 +149,23 @@ class CheckpointStore:
         *,
         compress: bool | None = None,
         progress: ProgressFn | None = None,
+        full: bool = False,
         seed_cache: bool = False,
     ) -> UploadedStreams:
         """Put the chunks of ``streams`` in the store now; a later ``push`` names them.
 
         For data that must leave its source before the rest of the checkpoint exists (GPU
         memory copied with custom storage, before CRIU dumps the process). No manifest is
-        written: pass the result to ``push(..., uploaded_streams=...)``. ``seed_cache`` as
-        for ``push``.
+        written: pass the result to ``push(..., uploaded_streams=...)``. ``full`` and
+        ``seed_cache`` as for ``push`` (the streams of a full push are uploaded whole too).
         """
         return push.upload_streams(
-            self.context, streams, compress=compress, progress=progress, seed_cache=seed_cache
+            self.context,
+            streams,
+            compress=compress,
+            progress=progress,
+            full=full,
+            seed_cache=seed_cache,
         )
 
     def upload_growing(
@@ -169,6 +177,7 @@ class CheckpointStore:
         stop: Callable[[], bool] = lambda: False,
         kind: str = "file",
         compress: bool | None = None,
+        full: bool = False,
         seed_cache: bool = False,
     ) -> UploadedStreams:
         """Put the chunks of ``path`` in the store while another process appends to it.
@@ -176,7 +185,7 @@ class CheckpointStore:
         ``complete()`` says the writer is done; ``stop()`` gives up. The result names the
         file as entry ``name`` and is handed to ``push(..., uploaded_streams=...)``, which
         uses it instead of the file of that name if the file still has the size read
-        (``storage/growing.py``). ``seed_cache`` as for ``push``.
+        (``storage/growing.py``). ``full`` and ``seed_cache`` as for ``push``.
         """
         return push.upload_growing(
             self.context,
@@ -186,6 +195,7 @@ class CheckpointStore:
             stop=stop,
             kind=kind,
             compress=compress,
+            full=full,
             seed_cache=seed_cache,
         )
 

@@ -17,7 +17,7 @@ from gpusnap.storage import CheckpointStore
 from gpusnap.storage.identity import CONFIG_FORMAT, create_identity, read_identity
 from gpusnap.storage.keys import load_signing_key, seal
 from gpusnap.storage.layout import CONFIG_KEY, chunk_key
-from gpusnap.storage.streams import StreamSource
+from gpusnap.storage.streams import StreamSource, UploadedStreams
 from tests.storage.store_helpers import (
     Keys,
     MiB,
@@ -223,6 +223,45 @@ def test_a_full_push_uploads_every_chunk_and_repairs_a_damaged_one(
     full = pushed.store.push(pushed.src, workload="w", parent=parent, full=True)
     assert full.chunks_uploaded == full.chunks_total and full.proof == "none"
     assert pushed.store.verify(read_data=True).ok
+
+
+def _streamed(store: CheckpointStore, path: Path, how: str, *, full: bool) -> UploadedStreams:
+    """``path`` put in the store ahead of its push as entry ``pages.img``: as a growing file
+    (a page image, a container part) or as a stream of buffers (GPU memory)."""
+    if how == "growing":
+        return store.upload_growing(path, "pages.img", complete=lambda: True, full=full)
+    data = path.read_bytes()
+    return store.upload_streams({"pages.img": StreamSource(len(data), [data])}, full=full)
+
+
+@pytest.mark.parametrize("how", ["growing", "streams"])
+@pytest.mark.parametrize("full", [True, False])
+def test_a_full_push_repairs_a_damaged_chunk_of_what_it_streamed_only_if_it_went_up_full(
+    damaged: tuple[Pushed, str], tmp_path: Path, how: str, full: bool
+) -> None:
+    pushed, victim = damaged
+    uploaded = _streamed(pushed.store, pushed.src / "pages.img", how, full=full)
+    # A growing file's push names it among its files; a stream is no file of the push.
+    src = pushed.src
+    if how == "streams":
+        src = write_src(tmp_path / "rest", {"core.img": (src / "core.img").read_bytes()})
+    again = pushed.store.push(
+        src,
+        workload="w",
+        parent=pushed.first.checkpoint_id,
+        uploaded_streams=uploaded,
+        full=True,
+    )
+    assert victim in pushed.store.manifest(again.checkpoint_id).chunk_ids()
+    report = pushed.store.verify([again.checkpoint_id], read_data=True)
+    if full:
+        # Every chunk put, the damaged object replaced by its good bytes.
+        assert uploaded.chunks_uploaded == uploaded.chunks_total
+        assert again.chunks_uploaded == again.chunks_total and report.ok
+    else:
+        # Skipped on the index's word: the proof sees the object there, not that it is bad.
+        assert victim in uploaded.unproven
+        assert report.damaged == {again.checkpoint_id: [victim]}
 
 
 def test_verify_read_data_marks_a_corrupt_chunk_so_the_next_push_replaces_it(
