@@ -82,7 +82,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     # Ask the store first: an unreachable store fails here, before the workload is touched.
     latest = store.latest(plan.workload)
     parent = latest.checkpoint_id if latest is not None else None
-    full = _full_push(plan, ctx)
+    full = full_push_reason(plan.store_check, plan.workload, ctx)
 
     look = _look(plan)
     pids = look.pids
@@ -98,7 +98,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
     pages: PageStreamer | None = None
     try:
-        freeze, gpu_pause, gpu_memory = freeze_gpu(node, ctx, store, pids)
+        freeze, gpu_pause, gpu_memory = freeze_gpu(node, ctx, store, pids, full=full is not None)
 
         ctx.phase(Phase.DUMP)
         # Accepted -> CRIU starts: queueing, the store's latest, the look at the tree, stamps.
@@ -113,10 +113,10 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
             gpu={**gpu_stamp, **freeze.to_stamp()},
             gpu_memory_in_store=gpu_memory.uploaded is not None,
         )
-        # A first checkpoint uploads everything: overlap that with the dump (a later one
-        # follows its parent's chunks, which makes its upload cheap after the dump).
-        if parent is None and node.config.daemon.upload_during_dump:
-            pages = PageStreamer(store, images, compress=plan.compress, seed_cache=seed)
+        if upload_during_dump(node, parent, full):
+            pages = PageStreamer(
+                store, images, compress=plan.compress, full=full is not None, seed_cache=seed
+            )
             pages.start()
         with thawed_on_failure(node, freeze, pages), progress.dumping(ctx, images, pids):
             dump = node.criu.dump(
@@ -202,9 +202,8 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
             parent=parent,
             leave_running=plan.leave_running,
             full=full,
+            store_check=plan.store_check,
         )
-        if full is not None and plan.store_check is not None:
-            plan.store_check.full_committed(plan.workload, pushed.checkpoint_id)
         remove_logs(dump_log)
     finally:
         hooks.after_checkpoint(pids)  # post_thaw, where a failure left the workload running
@@ -213,11 +212,15 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _full_push(plan: CheckpointPlan, ctx: JobContext) -> str | None:
-    """Why this checkpoint uploads every chunk (its workload's latest checkpoint is damaged),
-    or None. Not with a deadline: a reclaim that uploads everything may miss it, and what it
-    pushes is whole anyway (the push proves what it skips); the next checkpoint is full."""
-    reason = plan.store_check.full_reason(plan.workload) if plan.store_check else None
+def full_push_reason(
+    store_check: StoreChecker | None, workload: str, ctx: JobContext
+) -> str | None:
+    """Why this checkpoint of ``workload`` (a process tree's or a container's) uploads every
+    chunk (the store check found its latest checkpoint damaged), or None. Not with a
+    deadline: a reclaim that uploads everything may miss it, and what it pushes is whole
+    anyway (the push proves what it skips); the next checkpoint is full. Said in the job's
+    result (``full_deferred``) and the log."""
+    reason = store_check.full_reason(workload) if store_check is not None else None
     if reason is not None and ctx.deadline is not None:
         log.warning("checkpoint %s has a deadline: not a full one, though %s", ctx.job_id, reason)
         ctx.result(full_deferred=reason)
@@ -225,6 +228,16 @@ def _full_push(plan: CheckpointPlan, ctx: JobContext) -> str | None:
     if reason is not None:
         log.info("checkpoint %s uploads every chunk: %s", ctx.job_id, reason)
     return reason
+
+
+def upload_during_dump(node: Node, parent: str | None, full: str | None) -> bool:
+    """Whether the upload overlaps the dump (CRIU's, or a container runtime's export): for a
+    checkpoint that uploads everything, a workload's first (no parent) or a full one, as
+    ``[daemon] upload_during_dump`` allows. A later one follows its parent's chunks, which
+    makes its upload cheap after the dump. What a full one streams goes up whole too (the
+    streamer's ``full``): the push proves that a chunk skipped on the index's word exists,
+    not that its bytes are good, and replacing those is what a full push is for."""
+    return (parent is None or full is not None) and node.config.daemon.upload_during_dump
 
 
 def _look(plan: CheckpointPlan) -> _Look:
@@ -261,13 +274,14 @@ def _uploaded_streams(
 
 
 def freeze_gpu(
-    node: Node, ctx: JobContext, store: CheckpointStore, pids: list[int]
+    node: Node, ctx: JobContext, store: CheckpointStore, pids: list[int], *, full: bool = False
 ) -> tuple[Freeze, float, MemoryUploads]:
     """The FREEZE_GPU phase of a checkpoint (a container's too): the CUDA processes of ``pids``
     locked and checkpointed. The freeze, the seconds it paused them (none when there were
     none), and where their device memory went (to ``store`` as it is read, where the driver
-    lets it; seeding this node's chunk cache as ``[cache] seed`` says)."""
-    gpu_memory = MemoryUploads(store, seed_cache=node.config.cache.seed)
+    lets it, every chunk of it for a ``full`` push; seeding this node's chunk cache as
+    ``[cache] seed`` says)."""
+    gpu_memory = MemoryUploads(store, full=full, seed_cache=node.config.cache.seed)
     ctx.phase(Phase.FREEZE_GPU)
     t_freeze = time.monotonic()
     freeze = node.gpu.freeze(pids, custom_storage=gpu_memory.custom_storage())
@@ -323,9 +337,11 @@ def record_commit(
     parent: str | None,
     leave_running: bool,
     full: str | None = None,
+    store_check: StoreChecker | None = None,
 ) -> None:
     """The committed checkpoint in the job's result (its id, sizes, times, whether before the
-    deadline, whether a full one and why) and in the metrics."""
+    deadline, whether a full one and why) and in the metrics; a full one is told to
+    ``store_check`` (the workload's next checkpoint is incremental again)."""
     committed = time.time()
     result: dict[str, Any] = {
         "checkpoint_id": pushed.checkpoint_id,
@@ -345,3 +361,5 @@ def record_commit(
         result["committed_before_deadline"] = committed <= ctx.deadline
     ctx.result(**result)
     METRICS.set_last_checkpoint(workload, committed)
+    if full is not None and store_check is not None:
+        store_check.full_committed(workload, pushed.checkpoint_id)

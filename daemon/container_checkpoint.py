@@ -5,8 +5,9 @@ own checkpoint into staging, as parts (``daemon/containers/``) -> (leave-running
 pause ends here) -> stamp (``container_stamp.py``) -> push the parts directory to the store,
 each file chunked, so a second checkpoint uploads only what changed and the image is never
 uploaded (the stamp pins its digest) -> clean staging. As for a process tree
-(``checkpoint.py``), the store is asked for the parent first, and a kill-mode checkpoint whose
-upload fails restores the container on this node from the local parts.
+(``checkpoint.py``), the store is asked for the parent first, a kill-mode checkpoint whose
+upload fails restores the container on this node from the local parts, and a container whose
+latest checkpoint the store check found damaged gets a full push (``full_push_reason``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gpusnap.daemon.checkpoint import after_dump, freeze_gpu, record_commit, thawed_on_failure
+from gpusnap.daemon.checkpoint import (
+    after_dump,
+    freeze_gpu,
+    full_push_reason,
+    record_commit,
+    thawed_on_failure,
+    upload_during_dump,
+)
 from gpusnap.daemon.config import Config, WorkloadConfig
 from gpusnap.daemon.container_stamp import container_stamp, remap_gpu_stamp
 from gpusnap.daemon.container_upload import PartsStreamer, merged
@@ -42,6 +50,7 @@ from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
+from gpusnap.daemon.storecheck import StoreChecker
 from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, with_message
 from gpusnap.storage.manifest import check_workload
 
@@ -71,6 +80,8 @@ class ContainerCheckpointPlan:
     config: WorkloadConfig | None
     leave_running: bool
     compress: bool | None = None
+    # The store check: whether this workload's latest checkpoint is damaged (a full push).
+    store_check: StoreChecker | None = None
     # When the service looked at the container (time.monotonic(); the plan is made right
     # after): a job that starts within FRESH_S of it uses ``info`` instead of asking the
     # runtime again (one call less of the trigger-to-commit time); a job that waited in the
@@ -92,6 +103,7 @@ def container_plan(
     workload: WorkloadConfig | None,
     leave_running: bool,
     compress: bool | None,
+    store_check: StoreChecker | None = None,
 ) -> ContainerCheckpointPlan:
     """The plan for checkpointing container ``ref`` (its runtime given, or found): it must
     exist and run. Stored as ``workload`` when given, else as the configured workload that
@@ -108,7 +120,12 @@ def container_plan(
     name = workload.name if workload is not None else info.name
     check_workload(name)
     return ContainerCheckpointPlan(
-        info, workload=name, config=workload, leave_running=leave_running, compress=compress
+        info,
+        workload=name,
+        config=workload,
+        leave_running=leave_running,
+        compress=compress,
+        store_check=store_check,
     )
 
 
@@ -118,6 +135,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     # Ask the store first: an unreachable store fails here, before the container is touched.
     latest = store.latest(plan.workload)
     parent = latest.checkpoint_id if latest is not None else None
+    full = full_push_reason(plan.store_check, plan.workload, ctx)
 
     rt = node.containers.get(plan.info.runtime)
     info = plan.fresh_info() or rt.inspect(plan.info.id)
@@ -134,15 +152,17 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     staging = node.dirs.job_staging(ctx.job_id)
     dest = staging / "container"
     seed = node.config.cache.seed  # what this node pushes, its chunk cache holds
-    # A first checkpoint uploads everything: overlap that with the runtime's export.
-    arrivals = Arrivals() if parent is None and node.config.daemon.upload_during_dump else None
+    # One that uploads everything overlaps that with the runtime's export.
+    arrivals = Arrivals() if upload_during_dump(node, parent, full) else None
     streamer = (
-        PartsStreamer(store, dest, arrivals, compress=plan.compress, seed_cache=seed)
+        PartsStreamer(
+            store, dest, arrivals, compress=plan.compress, full=full is not None, seed_cache=seed
+        )
         if arrivals is not None
         else None
     )
     try:
-        freeze, gpu_pause, gpu_memory = freeze_gpu(node, ctx, store, pids)
+        freeze, gpu_pause, gpu_memory = freeze_gpu(node, ctx, store, pids, full=full is not None)
 
         ctx.phase(Phase.DUMP)
         prepare = time.time() - job_started
@@ -200,6 +220,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
                 uploaded_streams=merged(
                     gpu_memory.uploaded, streamer.finish() if streamer is not None else None
                 ),
+                full=full is not None,
                 seed_cache=seed,
             )
         except GpusnapError as err:
@@ -217,7 +238,13 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
             raise
         ctx.phase(Phase.COMMIT)
         record_commit(
-            ctx, pushed, workload=plan.workload, parent=parent, leave_running=plan.leave_running
+            ctx,
+            pushed,
+            workload=plan.workload,
+            parent=parent,
+            leave_running=plan.leave_running,
+            full=full,
+            store_check=plan.store_check,
         )
     finally:
         if streamer is not None:

@@ -9,8 +9,9 @@ the streamer uploads what is left and the push names the uploaded streams instea
 the files again; a file whose size differs from what was streamed is read again by the push
 (``storage/push.py``), so a streamer that was wrong costs time, never a wrong checkpoint.
 
-Used for a workload's first checkpoint (no parent), like ``host/pagestream.py`` for a process
-tree: a later one follows its parent's chunks, which makes its upload cheap after the export.
+Used for a checkpoint that uploads everything, a workload's first (no parent) or a full one
+(``full``: every chunk put, as the push does), like ``host/pagestream.py`` for a process tree:
+a later one follows its parent's chunks, which makes its upload cheap after the export.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class PartsStreamer:
         arrivals: Arrivals,
         *,
         compress: bool | None,
+        full: bool = False,
         seed_cache: bool = False,
     ) -> None:
         self._store = store
+        self._full = full
         self._seed_cache = seed_cache
         self._dir = directory
         self._arrivals = arrivals
@@ -96,6 +99,7 @@ class PartsStreamer:
                     stop=self._abort.is_set,
                     kind=KIND,
                     compress=self._compress,
+                    full=self._full,
                     seed_cache=self._seed_cache,
                 )
                 self._result.merge(uploaded)

@@ -26,12 +26,15 @@ class MemoryUploads:
     ``sink`` puts each process's memory in the store (``CheckpointStore.upload_streams``)
     before the driver may drop it; ``uploaded`` is what the checkpoint's push names. ``source``
     reads it back for a thaw (leave-running), a roll-back or a rescue: before the commit only
-    these streams hold that memory. ``seed_cache`` keeps what goes up in the node's chunk
-    cache too (``[cache] seed``).
+    these streams hold that memory. ``full`` puts every chunk, whatever the index says (a full
+    push); ``seed_cache`` keeps what goes up in the node's chunk cache too (``[cache] seed``).
     """
 
-    def __init__(self, store: CheckpointStore, *, seed_cache: bool = False) -> None:
+    def __init__(
+        self, store: CheckpointStore, *, full: bool = False, seed_cache: bool = False
+    ) -> None:
         self._store = store
+        self._full = full
         self._seed_cache = seed_cache
         self.uploaded: UploadedStreams | None = None
 
@@ -40,7 +43,7 @@ class MemoryUploads:
 
     def sink(self, memory: Sequence[DeviceMemory]) -> None:
         streams = {m.path: StreamSource(m.size, m.buffers, GPU_MEMORY_KIND) for m in memory}
-        uploaded = self._store.upload_streams(streams, seed_cache=self._seed_cache)
+        uploaded = self._store.upload_streams(streams, full=self._full, seed_cache=self._seed_cache)
         if self.uploaded is None:
             self.uploaded = uploaded
         else:

@@ -207,6 +207,7 @@ class DaemonService:
             workload=workload,
             leave_running=leave_running,
             compress=self.config.store.compress if compress is None else compress,
+            store_check=self.store_check,
         )
         node = self.node
         return self._submit_checkpoint(

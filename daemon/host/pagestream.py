@@ -16,8 +16,9 @@ so a streamer that was wrong costs time, never a wrong checkpoint. The streamer 
 the lowest CPU priority while CRIU runs: on a busy node the dump (the workload's pause)
 comes first.
 
-Used when the checkpoint has no parent (``storage/follow.py`` makes an upload after a parent
-cheap by following the parent's chunks; the first, full upload is the one worth overlapping).
+Used when the checkpoint uploads everything: it has no parent, or it is a full one (the store
+check found its parent damaged; ``full`` then puts every chunk, as the push does). An upload
+after a parent is cheap otherwise (``storage/follow.py`` follows the parent's chunks).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class _Uploader(Protocol):
         stop: Callable[[], bool] = ...,
         kind: str = ...,
         compress: bool | None = ...,
+        full: bool = ...,
         seed_cache: bool = ...,
     ) -> UploadedStreams: ...
 
@@ -71,11 +73,18 @@ class PageStreamer:
     """Streams ``images/pages-*.img`` into the store while CRIU writes them."""
 
     def __init__(
-        self, store: _Uploader, images: Path, *, compress: bool | None, seed_cache: bool = False
+        self,
+        store: _Uploader,
+        images: Path,
+        *,
+        compress: bool | None,
+        full: bool = False,
+        seed_cache: bool = False,
     ) -> None:
         self._store = store
         self._images = images
         self._compress = compress
+        self._full = full  # a full push: every chunk put, whatever the index says
         self._seed_cache = seed_cache  # keep what goes up in the node's chunk cache too
         self._dumped = threading.Event()  # CRIU has exited (or failed)
         self._abort = threading.Event()
@@ -139,6 +148,7 @@ class PageStreamer:
                     stop=self._abort.is_set,
                     kind=_KIND,
                     compress=self._compress,
+                    full=self._full,
                     seed_cache=self._seed_cache,
                 )
                 self._result.merge(uploaded)

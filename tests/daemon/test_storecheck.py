@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gpusnap.cli.daemon_cmds import _store_check_lines
-from gpusnap.daemon.checkpoint import CheckpointPlan, _full_push
+from gpusnap.daemon.checkpoint import full_push_reason
 from gpusnap.daemon.config import DEFAULT_CHECK_INTERVAL, Config, parse_config
 from gpusnap.daemon.jobs.executor import JobContext, JobExecutor
 from gpusnap.daemon.jobs.job import JobKind
@@ -215,15 +215,12 @@ def test_a_checkpoint_with_a_deadline_is_not_made_full_and_says_why(
     scene: Scene, handle: StoreHandle, tmp_path: Path
 ) -> None:
     checker, _found, reason = scene.found_damaged(handle)
-    plan = CheckpointPlan(
-        root_pid=1, workload="svc", config=None, leave_running=True, store_check=checker
-    )
     journal = Journal(tmp_path / "jobs.sqlite")
     executor = JobExecutor(journal)
     decided: dict[str, str | None] = {}
 
     def body(ctx: JobContext) -> None:
-        decided[ctx.job_id] = _full_push(plan, ctx)
+        decided[ctx.job_id] = full_push_reason(checker, "svc", ctx)
 
     try:
         reclaim = executor.submit(JobKind.CHECKPOINT, "svc", body, deadline=time.time() + 3600)
