@@ -9,15 +9,14 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpusnap.storage import open_store
 from gpusnap.storage.layout import chunk_key
-from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
+from tests.e2e.conftest import Node, Nodes, restored_cleanup
+from tests.e2e.store_reading import StoreReader, store_check, until
 from tests.support import workloads
 from tests.support.daemon_config import workload_section
 from tests.support.faultproxy import FaultProxy
@@ -28,32 +27,10 @@ from tests.support.workloads import Started
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _until(what: str, ready: Callable[[], Any], node: Node) -> Any:
-    end = time.monotonic() + HANG_GUARD
-    while not (got := ready()):
-        if time.monotonic() > end:
-            raise TimeoutError(f"{what}: {node.log()}")
-        time.sleep(0.05)
-    return got
-
-
-def _store_check(node: Node) -> dict[str, Any]:
-    got = node.cli("status", "--json")
-    assert got.rc == 0, got.stderr
-    check: dict[str, Any] = got.json["store_check"]
-    return check
-
-
 def _metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
         body: str = response.read().decode()
     return body
-
-
-def _chunks(store_url: str, key: Path, cache: Path, checkpoint_id: str) -> dict[str, str]:
-    """Chunk id -> the file that names it, of one checkpoint (read as any reader would)."""
-    with open_store(store_url, key_file=key, cache_dir=cache) as store:
-        return {c.id: f.path for f in store.manifest(checkpoint_id).files for c in f.chunks}
 
 
 def _checkpoint(node: Node, *args: str) -> dict[str, Any]:
@@ -80,9 +57,9 @@ def test_a_lost_chunk_is_found_shown_and_repaired_by_a_full_next_checkpoint(
     first = _checkpoint(node, "--leave-running")
     latest = _checkpoint(node, "--leave-running")
     assert latest["parent"] == first["checkpoint_id"] and latest["full"] is False
-    cache = tmp_path / "reader-cache"
-    in_first = _chunks(store_url, nodes.key_file, cache, first["checkpoint_id"])
-    in_latest = _chunks(store_url, nodes.key_file, cache, latest["checkpoint_id"])
+    reader = StoreReader(store_url, nodes.key_file, tmp_path / "reader-cache")
+    in_first = reader.chunks(first["checkpoint_id"])
+    in_latest = reader.chunks(latest["checkpoint_id"])
     # A chunk both checkpoints name, of an image the next dump writes the same (the process
     # tree: same pids, same threads), so the full checkpoint puts it back and every
     # checkpoint naming it is whole again. (The counter's pages change at every step.)
@@ -90,10 +67,10 @@ def test_a_lost_chunk_is_found_shown_and_repaired_by_a_full_next_checkpoint(
     (nodes.store_dir / chunk_key(lost)).unlink()  # behind the store's back: an operator's rm
     lost_at = time.time()
 
-    check = _until(
+    check = until(
         "a check to find the lost chunk",
         lambda: (
-            (c := _store_check(node))["last_check_at"] is not None
+            (c := store_check(node))["last_check_at"] is not None
             and c["last_check_at"] > lost_at
             and c
         ),
@@ -140,29 +117,21 @@ def test_a_lost_chunk_is_found_shown_and_repaired_by_a_full_next_checkpoint(
     assert full["parent"] == latest["checkpoint_id"]
     assert full["chunks_uploaded"] > latest["chunks_uploaded"]
     w.reap()
-    assert lost in _chunks(store_url, nodes.key_file, cache, full["checkpoint_id"])
+    assert lost in reader.chunks(full["checkpoint_id"])
+    # Its page images went up while CRIU wrote them, as a first checkpoint's do.
+    assert "criu-pages" in reader.stream_kinds(full["checkpoint_id"])
+    assert "criu-pages" not in reader.stream_kinds(latest["checkpoint_id"])
     committed_at = time.time()
 
-    clean = _until(
+    clean = until(
         "a check after the full checkpoint",
-        lambda: (c := _store_check(node))["last_check_at"] > committed_at and c,
+        lambda: (c := store_check(node))["last_check_at"] > committed_at and c,
         node,
     )
     assert clean["damaged"] == [] and clean["chunks_missing"] == 0, clean
     assert clean["full_next"] == {}
     assert "gpusnap_store_missing_chunks 0\n" in _metrics(port)
-    verify = node.cli(
-        "store",
-        "verify",
-        "--all",
-        "--read-data",
-        "--store",
-        store_url,
-        "--key-file",
-        str(nodes.key_file),
-        "--cache-dir",
-        str(cache),
-    )
+    verify = reader.verify_all(node)
     assert verify.rc == 0, verify.stdout + verify.stderr
 
     rs = node.cli("restore", full["checkpoint_id"], "--wait", "--json")
@@ -227,14 +196,12 @@ def test_an_unreachable_store_fails_the_check_loudly_and_the_next_one_succeeds(
             )
         )
         node.start()
-        good = _until(
-            "a first check", lambda: (c := _store_check(node))["last_check_at"] and c, node
-        )
+        good = until("a first check", lambda: (c := store_check(node))["last_check_at"] and c, node)
         proxy.go_down()
         down_at = time.time()
-        failed = _until(
+        failed = until(
             "a check against the unreachable store",
-            lambda: (c := _store_check(node))["error"] and c["error_at"] > down_at and c,
+            lambda: (c := store_check(node))["error"] and c["error_at"] > down_at and c,
             node,
         )
         assert failed["last_check_at"] >= good["last_check_at"]  # the last good one stays
@@ -246,10 +213,10 @@ def test_an_unreachable_store_fails_the_check_loudly_and_the_next_one_succeeds(
         listed = node.cli("ls")
         assert listed.rc != 0 and "\n" not in listed.stderr.strip(), listed.stderr
         proxy.go_up()
-        back = _until(
+        back = until(
             "a check once the store is back",
             lambda: (
-                (c := _store_check(node))["error"] is None
+                (c := store_check(node))["error"] is None
                 and c["last_check_at"] > failed["error_at"]
                 and c
             ),
