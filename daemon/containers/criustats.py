@@ -10,11 +10,11 @@ protobuf schema is needed.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
+from gpusnap.daemon.containers.criuimg import entries, fields
+
 STATS_NAME = "stats-dump"
-_SERVICE_MAGIC = 0x55105940  # CRIU's "service" image prefix
 _STATS_MAGIC = 0x57093306
 # DumpStatsEntry field numbers (criu/images/stats.proto)
 _DUMP_FIELDS = {
@@ -28,63 +28,22 @@ _DUMP_FIELDS = {
 }
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, pos
-
-
-def _fields(buf: bytes) -> dict[int, int | bytes]:
-    """Top-level fields of one protobuf message: varints as ints, length-delimited as bytes."""
-    out: dict[int, int | bytes] = {}
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            out[number], pos = _varint(buf, pos)
-        elif wire == 2:
-            n, pos = _varint(buf, pos)
-            out[number] = buf[pos : pos + n]
-            pos += n
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unknown wire type {wire}")
-    return out
-
-
 def parse_dump_stats(data: bytes) -> dict[str, int]:
     """The dump statistics in a ``stats-dump`` image (microseconds and page counts); empty
     when ``data`` is not one."""
     try:
-        pos = 0
-        (magic,) = struct.unpack_from("<I", data, pos)
-        if magic == _SERVICE_MAGIC:
-            pos += 4
-            (magic,) = struct.unpack_from("<I", data, pos)
-        if magic != _STATS_MAGIC:
+        found = entries(data, _STATS_MAGIC)
+        if not found:
             return {}
-        (size,) = struct.unpack_from("<I", data, pos + 4)
-        entry = _fields(data[pos + 8 : pos + 8 + size])
-        dump = entry.get(1)
+        dump = fields(found[0]).get(1)
         if not isinstance(dump, bytes):
             return {}
         return {
             _DUMP_FIELDS[k]: v
-            for k, v in _fields(dump).items()
+            for k, v in fields(dump).items()
             if k in _DUMP_FIELDS and isinstance(v, int)
         }
-    except (struct.error, ValueError):
+    except ValueError:
         return {}
 
 
