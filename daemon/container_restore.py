@@ -18,6 +18,7 @@ from typing import Any
 
 from gpusnap.daemon.container_stamp import recorded_container, recorded_ns_pids, remap_gpu_stamp
 from gpusnap.daemon.containers import ContainerInfo, ContainerRuntime, load_parts, ns_pids
+from gpusnap.daemon.containers.openfiles import log_fitted
 from gpusnap.daemon.gpu_memory import committed_source
 from gpusnap.daemon.host import coldstart
 from gpusnap.daemon.jobs.executor import JobContext
@@ -112,6 +113,8 @@ def run_container_restore(
         # From here the container runs (or is being made to): a cancel could only orphan it.
         ctx.cancellable = False
         t0 = time.monotonic()
+        fitted = rt.fit_open_files(parts, name=name)
+        log_fitted(name or parts.container.name, fitted)
         info = rt.restore(parts, name=name)
         restore_seconds = time.monotonic() - t0
         ctx.phase(Phase.RESTORE_GPU)
@@ -132,6 +135,8 @@ def run_container_restore(
             pids=list(info.pids),
             reasons=[],
             container=info.summary(),
+            # Files of the rw layer cut back to CRIU's record (containers/openfiles.py).
+            fitted_files=[f.as_dict() for f in fitted],
             prepare_seconds=round(prepare, 6),
             **fetch_figures(pulled, streamed),
             restore_seconds=round(restore_seconds, 6),

@@ -37,6 +37,7 @@ from gpusnap.daemon.containers.model import (
     index_parts,
 )
 from gpusnap.daemon.containers.oci import overlay_upper, spec_from_oci, spec_to_oci
+from gpusnap.daemon.containers.openfiles import Fitted, criu_images, fit_tree, recorded_sizes
 from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
@@ -152,15 +153,14 @@ class RuncRuntime(ContainerRuntime):
         rec = parts.container
         target = name or rec.name
         self._make_room(target, rec)
-        recorded = Path(str(parts.extra.get("bundle", "")))
-        in_place = target == rec.name and (recorded / "config.json").is_file()
-        if in_place:
+        recorded = self._in_place_bundle(parts, target)
+        if recorded is not None:
             bundle = recorded
         else:
             if not parts.extra.get("rootfs_diff"):
                 raise FailedPrecondition(
                     f"runc: container {rec.name!r} had no overlay rootfs; it restores only in "
-                    f"place, from its bundle {recorded}"
+                    f"place, from its bundle {parts.extra.get('bundle', '')}"
                 )
             if not self.image_present(rec.spec.image_id):
                 raise FailedPrecondition(
@@ -181,6 +181,27 @@ class RuncRuntime(ContainerRuntime):
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return self.inspect(target)
+
+    def _in_place_bundle(self, parts: CheckpointParts, target: str) -> Path | None:
+        """The checkpointed container's own bundle, where a restore as ``target`` runs from it
+        again (the same name, the bundle still there); None where it lays a new one."""
+        recorded = Path(str(parts.extra.get("bundle", "")))
+        if target == parts.container.name and (recorded / "config.json").is_file():
+            return recorded
+        return None
+
+    def fit_open_files(self, parts: CheckpointParts, *, name: str | None = None) -> list[Fitted]:
+        # In place the rw layer is the bundle's upper directory as the container left it, not
+        # the checkpoint's diff.
+        bundle = self._in_place_bundle(parts, name or parts.container.name)
+        images = criu_images(parts)
+        if bundle is None or images is None:
+            return super().fit_open_files(parts, name=name)
+        config = json.loads((bundle / "config.json").read_text())
+        root = Path(str((config.get("root") or {}).get("path", "rootfs")))
+        upper = overlay_upper(root if root.is_absolute() else bundle / root)
+        # Not an overlay: no rw layer apart from the image, and nothing of it is cut.
+        return fit_tree(upper, recorded_sizes(images)) if upper is not None else []
 
     def _discard(self, stopped: ContainerInfo) -> None:
         # Not ``remove``: an in-place restore runs from this container's bundle again.

@@ -30,6 +30,7 @@ from gpusnap.daemon.containers.model import (
     Dumped,
     write_parts,
 )
+from gpusnap.daemon.containers.openfiles import Fitted, fit_parts
 from gpusnap.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -140,6 +141,12 @@ class ContainerRuntime(ABC):
         """Whether ``ref`` still runs (``NotFound`` when it is gone), asked after a failed
         checkpoint."""
         return self.inspect(ref).running
+
+    def fit_open_files(self, parts: CheckpointParts, *, name: str | None = None) -> list[Fitted]:
+        """Before ``restore(parts, name=name)``: the files the container held open in its rw
+        layer, cut back to the size CRIU recorded where the layer has them longer (it ran on
+        after a leave-running checkpoint; ``openfiles.py``). What was cut."""
+        return fit_parts(parts)
 
     @abstractmethod
     def restore(self, parts: CheckpointParts, *, name: str | None = None) -> ContainerInfo:

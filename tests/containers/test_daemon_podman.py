@@ -160,6 +160,39 @@ def test_leave_running_keeps_serving_and_a_second_checkpoint_uploads_only_what_c
         assert wait_done(out) == expected
 
 
+def test_a_file_held_open_in_the_rw_layer_that_grew_after_a_leave_running_checkpoint_restores(
+    node_a: Node, node_b: Node, daemons: Daemons, tmp_path: Path
+) -> None:
+    """The loop holds its rw-layer log open for writing (CRIU records its size), and runs on
+    after the leave-running checkpoint, so the rw-layer diff podman exports has it longer
+    than at the dump. The restore cuts it back to CRIU's record (``fitted_files``) and the copy
+    rewrites the log from there: the whole stream, byte for byte, as the tokens are."""
+    steps = 250
+    out, name, expected = new_loop(tmp_path, "dhold", steps, weights_mib=4)
+    spec = genloop_spec(node_a, out, steps=steps, weights_mib=4)
+    spec = dataclasses.replace(spec, env=(*spec.env, "GENLOOP_HOLD_LOG=1"))
+    a = start_daemon(daemons, "a", podman_section(node_a))
+    b = start_daemon(daemons, "b", podman_section(node_b))
+    copy_name = f"{name}-copy"
+    with started(node_a.podman, spec, name), removing(node_b.podman, copy_name):
+        wait_lines(out, 40)
+        first = cli_json(a, "checkpoint", "--container", name, "--leave-running", "--wait")
+        assert wait_done(out) == expected  # the original finishes: its log has grown since
+        wait_exited(node_a, name)
+        copy = cli_json(b, "restore", first["checkpoint_id"], "--name", copy_name, "--wait")
+        assert copy["mode"] == "restored", copy
+        (fitted,) = copy["fitted_files"]
+        assert fitted["path"] == "/var/log/genloop.log", fitted
+        # What CRIU recorded is whole lines of the stream, fewer than the diff held.
+        full_log = expected.removesuffix(b"done\n")
+        recorded = fitted["bytes_recorded"]
+        assert 0 < recorded < fitted["bytes_stored"] <= len(full_log), fitted
+        assert full_log[recorded - 1 : recorded] == b"\n", fitted
+        assert f"cut back to {recorded}" in b.log_path.read_text(errors="replace")
+        assert wait_done(out) == expected
+        assert rw_log_once_exited(node_b, copy_name, tmp_path / "log") == full_log
+
+
 def _workload(name: str, container: str, *, version: str = "1", start: str = "") -> str:
     return (
         f'[[workload]]\nname = "{name}"\ncontainer = "{container}"\nruntime = "podman"\n'

@@ -4,6 +4,7 @@ with real runc and CRIU."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import tempfile
@@ -106,6 +107,44 @@ def test_runc_leave_running_keeps_the_container_serving(
     assert runc_a.inspect(name).pids == before.pids
     assert parts.leave_running
     assert wait_done(out) == expected
+
+
+def test_runc_fits_a_file_held_open_in_the_rw_layer_back_to_its_recorded_size(
+    runc_a: RuncRuntime, runc_b: RuncRuntime, tmp_path: Path
+) -> None:
+    """The loop holds its rw-layer log open for writing and runs on after a leave-running
+    checkpoint: longer than CRIU recorded both in the checkpoint's diff (restored on node b)
+    and in its own upper directory (restored in place after it exited). ``fit_open_files``
+    cuts it back, as the daemon's restore body does, and each restore rewrites the whole
+    stream from there, log and tokens alike."""
+    out, name, expected = new_loop(tmp_path, "runc", STEPS)
+    spec = genloop_spec_for(IMAGE_ID, out, steps=STEPS)
+    env = (*(spec.env or ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)), "GENLOOP_HOLD_LOG=1")
+    runc_a.create(dataclasses.replace(spec, env=env), name=name)
+    wait_lines(out, STEPS // 3)
+    parts = load_parts(runc_a.checkpoint(name, tmp_path / "ckpt", leave_running=True).directory)
+    assert wait_done(out) == expected
+    full_log = expected.removesuffix(b"done\n")
+    upper_log = runc_a.bundles / name / "upper" / "var/log/genloop.log"
+    assert upper_log.read_bytes() == full_log
+
+    (elsewhere,) = runc_b.fit_open_files(parts, name=f"{name}-b")
+    assert elsewhere.path == "/var/log/genloop.log"
+    assert 0 < elsewhere.bytes_recorded < elsewhere.bytes_stored <= len(full_log)
+    assert runc_b.restore(parts, name=f"{name}-b").running
+    assert wait_done(out) == expected
+    log_b = runc_b.bundles / f"{name}-b" / "upper" / "var/log/genloop.log"
+    assert log_b.read_bytes() == full_log
+
+    (in_place,) = runc_a.fit_open_files(parts)  # the upper directory, as the original left it
+    assert (in_place.bytes_stored, in_place.bytes_recorded) == (
+        len(full_log),
+        elsewhere.bytes_recorded,
+    )
+    assert upper_log.stat().st_size == elsewhere.bytes_recorded
+    assert runc_a.restore(parts).running
+    assert wait_done(out) == expected
+    assert upper_log.read_bytes() == full_log
 
 
 def test_runc_restore_without_the_image_is_refused_with_the_reason(

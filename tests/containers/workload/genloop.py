@@ -79,9 +79,11 @@ def main():
     kv = bytearray()
     h = hashlib.sha256(b"prompt").digest()
     out = Out(os.path.join(out_dir, "tokens"), reopen=True)
-    # Reopened too: podman --leave-running exports the rw-layer diff after the container runs
-    # again, so a file held open there can be longer than CRIU recorded (docs/containers.md).
-    log = Out(sys.argv[5], reopen=True) if len(sys.argv) > 5 else None
+    # Reopened too, unless GENLOOP_HOLD_LOG=1: a leave-running checkpoint's rw-layer diff is
+    # exported after the container runs again, so a file held open there is longer than CRIU
+    # recorded, and the restore fits it back (daemon/containers/openfiles.py).
+    hold = os.environ.get("GENLOOP_HOLD_LOG") == "1"
+    log = Out(sys.argv[5], reopen=not hold) if len(sys.argv) > 5 else None
     step = 0
     while step < steps:
         step += 1
