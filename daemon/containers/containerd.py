@@ -8,6 +8,10 @@ images (one uncompressed tar), the rw layer (a gzipped tar), the container spec 
 options. A restore packs the layout again, ``ctr image import --no-unpack``s it and ``ctr
 containers restore --live --rw``s the container; the container's image must be here.
 
+``ctr`` pauses the task for the whole checkpoint and diffs the rw layer while it is paused, so a
+file the container holds open there is in the rw blob at the size CRIU recorded, even after a
+leave-running checkpoint: unlike podman's and runc's, nothing needs fitting (``openfiles.py``).
+
 The image id is the image's target digest in containerd's store (``ctr images ls``).
 """
 

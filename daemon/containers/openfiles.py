@@ -2,10 +2,11 @@
 
 CRIU records the size of every regular file a task holds open (but those opened
 ``O_WRONLY|O_APPEND``: logs) and refuses to restore an fd on a file whose size differs: ``File
-… has bad size N (expect M)`` (criu/files-reg.c, ``validate_file``). Every runtime exports the
+… has bad size N (expect M)`` (criu/files-reg.c, ``validate_file``). podman and runc export the
 container's rw-layer diff after CRIU returns, and with ``--leave-running`` the container runs
 again by then, so a file it goes on writing there is longer in the diff than at the dump, and
-the checkpoint would not restore.
+the checkpoint would not restore. (containerd's ``ctr`` diffs the rw layer while it holds the
+task paused for CRIU, so its checkpoint has nothing to fit: tests/containers/test_containerd.py.)
 
 Before a restore gpusnap cuts each such file back to the size CRIU recorded: what it was at the
 dump, for a file that only grew past it — a log or a spill file written at its end, as the

@@ -3,8 +3,10 @@ the test starts itself (its own root, state dir and socket, the CRI plugin disab
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.containers import ContainerdRuntime, load_parts
+from gpusnap.daemon.containers import CheckpointParts, ContainerdRuntime, load_parts
+from gpusnap.daemon.containers.openfiles import recorded_sizes
 from tests.containers.conftest import STEPS_DEFAULT as STEPS
 from tests.containers.conftest import (
     genloop_spec_for,
@@ -126,3 +129,54 @@ def test_containerd_container_checkpointed_by_gpusnapd_restores_in_place_bit_exa
         assert restored["mode"] == "restored", restored
         assert restored["pids"] == list(containerd.inspect(name).pids)
         assert wait_done(out) == expected
+
+
+def _rw_log(rt: ContainerdRuntime, name: str) -> bytes:
+    """The container's /var/log/genloop.log through its task's rootfs (the shim keeps it
+    mounted until the task is removed, so it reads after the container exited)."""
+    _, address, _, namespace = rt.tool.base_args
+    rootfs = Path(address).parent / "state/io.containerd.runtime.v2.task" / namespace / name
+    return (rootfs / "rootfs/var/log/genloop.log").read_bytes()
+
+
+def _one_part(parts: CheckpointParts, kind: str) -> Path:
+    (rel,) = (rel for rel, k in parts.parts.items() if k == kind)
+    return parts.directory / rel
+
+
+def test_containerd_a_file_held_open_in_the_rw_layer_restores_unfitted_after_leave_running(
+    containerd: ContainerdRuntime, tmp_path: Path
+) -> None:
+    """containerd has no grown-file problem to fit: ``ctr containers checkpoint`` pauses the
+    task (the cgroup freezer) before it diffs the rw layer and runs CRIU, and resumes it only
+    after both (cmd/ctr/commands/containers/checkpoint.go), so a file the container holds open
+    and goes on writing there is in the checkpoint's rw blob at the size CRIU recorded, however
+    long it is by the restore. The loop holds its rw-layer log open, is checkpointed
+    leave-running and runs to its end; nothing is fitted, and the copy restored from the
+    checkpoint rewrites log and tokens from there byte for byte."""
+    out, name, expected = new_loop(tmp_path, "ctrd", STEPS)
+    spec = genloop_spec_for(_image_id(containerd), out, steps=STEPS)
+    env = (*(spec.env or ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)), "GENLOOP_HOLD_LOG=1")
+    copy = f"{name}-copy"
+    with started(containerd, dataclasses.replace(spec, env=env), name), removing(containerd, copy):
+        wait_lines(out, STEPS // 3)
+        parts = load_parts(
+            containerd.checkpoint(name, tmp_path / "ckpt", leave_running=True).directory
+        )
+        assert wait_done(out) == expected
+        full_log = expected.removesuffix(b"done\n")
+        assert _rw_log(containerd, name) == full_log
+
+        with tarfile.open(_one_part(parts, "criu")) as t:
+            t.extractall(tmp_path / "criu", filter="data")
+        recorded = recorded_sizes(tmp_path / "criu")["var/log/genloop.log"]  # held open
+        with tarfile.open(_one_part(parts, "rootfs-diff")) as t:  # gzipped
+            stored = t.getmember("var/log/genloop.log").size
+        assert 0 < stored == recorded < len(full_log)
+
+        before = {rel: (parts.directory / rel).read_bytes() for rel in parts.parts}
+        assert containerd.fit_open_files(parts, name=copy) == []
+        assert {rel: (parts.directory / rel).read_bytes() for rel in parts.parts} == before
+        assert containerd.restore(parts, name=copy).running
+        assert wait_done(out) == expected
+        assert _rw_log(containerd, copy) == full_log
