@@ -63,16 +63,16 @@ def entries(data: bytes, magic: int) -> list[bytes]:
     """The entries of an image whose own magic is ``magic``; ``ValueError`` when ``data`` is not
     one or is cut short."""
     pos = 0
-    (first,) = _u32(data, pos)
+    first = _u32(data, pos)
     if first in (COMMON_MAGIC, SERVICE_MAGIC):
         pos += 4
-        (first,) = _u32(data, pos)
+        first = _u32(data, pos)
     if first != magic:
         raise ValueError(f"magic {first:#x}, not {magic:#x}")
     pos += 4
     out: list[bytes] = []
     while pos < len(data):
-        (size,) = _u32(data, pos)
+        size = _u32(data, pos)
         pos += 4
         if pos + size > len(data):
             raise ValueError("truncated entry")
@@ -81,9 +81,9 @@ def entries(data: bytes, magic: int) -> list[bytes]:
     return out
 
 
-def _u32(data: bytes, pos: int) -> tuple[int]:
+def _u32(data: bytes, pos: int) -> int:
     try:
         (value,) = struct.unpack_from("<I", data, pos)
-        return (int(value),)
+        return int(value)
     except struct.error as exc:
         raise ValueError("truncated image") from exc

@@ -120,11 +120,11 @@ def fit_tar(archive: Path, sizes: dict[str, int]) -> list[Fitted]:
         return []
     with tarfile.open(archive) as t:
         members = [m for m in t.getmembers() if m.isreg()]
-    todo: list[tuple[tarfile.TarInfo, int]] = []
+    todo: list[tuple[tarfile.TarInfo, str, int]] = []  # in the archive's order
     for m in members:
         rel = _relative(m.name)
         want = sizes.get(rel) if rel is not None else None
-        if want is None or m.size == want:
+        if rel is None or want is None or m.size == want:
             continue
         if m.size < want or m.issparse():
             log.warning(
@@ -134,13 +134,13 @@ def fit_tar(archive: Path, sizes: dict[str, int]) -> list[Fitted]:
                 want,
             )
             continue
-        todo.append((m, want))
+        todo.append((m, rel, want))
     if not todo:
         return []
     out = archive.with_name(f".{archive.name}.fitted")
     with open(archive, "rb") as src, open(out, "wb") as dst:
         pos = 0
-        for m, want in sorted(todo, key=lambda x: x[0].offset):
+        for m, _, want in todo:
             _copy(src, dst, m.offset - pos)
             info = copy.copy(m)
             info.size = want
@@ -154,7 +154,7 @@ def fit_tar(archive: Path, sizes: dict[str, int]) -> list[Fitted]:
         shutil.copyfileobj(src, dst, _COPY)
     shutil.copymode(archive, out)
     os.replace(out, archive)
-    return [Fitted("/" + str(_relative(m.name)), m.size, want) for m, want in todo]
+    return [Fitted("/" + rel, m.size, want) for m, rel, want in todo]
 
 
 def fit_tree(upper: Path, sizes: dict[str, int]) -> list[Fitted]:
