@@ -11,7 +11,9 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   journald over a unix socket and may keep deleted files open; without these CRIU refuses it.
 - ``--shell-job`` only when the process has a controlling terminal (a daemon has none).
 - ``--tcp-established`` only on request: it restores live TCP connections, which only makes
-  sense on the same node, with the same addresses.
+  sense on the same node, with the same addresses. Otherwise ``--tcp-close``: a server's
+  established connections are not saved and come back closed (its clients see the connection
+  end), rather than CRIU refusing to dump a tree that has any.
 - ``--manage-cgroups=ignore`` (default): the restored tree goes into the cgroup the restore runs
   in — a transient systemd scope where systemd is PID 1 — instead of CRIU recreating the old
   cgroup paths behind the service manager's back.
@@ -216,6 +218,9 @@ class Criu:
         options = {
             "shell_job": shell_job,
             "tcp_established": tcp_established,
+            # Connections not kept are not saved: the restored tree finds them closed (its
+            # clients see the connection end and retry) instead of CRIU refusing the dump.
+            "tcp_close": not tcp_established,
             "manage_cgroups": manage_cgroups,
             "criu_version": _fmt(self.version()),
             "journal_streams": [s.as_json() for s in streams],
@@ -290,6 +295,7 @@ class Criu:
         options = _read_options(images)
         if tcp_established is not None:
             options["tcp_established"] = tcp_established
+            options["tcp_close"] = options["tcp_close"] and not tcp_established
         pidp.unlink(missing_ok=True)
         argv = [str(self.path), "restore", "--images-dir", str(images), "--restore-detached"]
         argv += ["--pidfile", str(pidp), "--log-file", str(logp), f"-v{self.log_level}"]
@@ -471,6 +477,8 @@ def _common_options(options: dict[str, object]) -> list[str]:
         argv.append("--shell-job")
     if options.get("tcp_established"):
         argv.append("--tcp-established")
+    elif options.get("tcp_close"):
+        argv.append("--tcp-close")
     return argv
 
 
@@ -484,6 +492,7 @@ def _read_options(images: Path) -> dict[str, object]:
     defaults: dict[str, object] = {
         "shell_job": False,
         "tcp_established": False,
+        "tcp_close": False,
         "manage_cgroups": "ignore",
         "journal_streams": [],
     }
@@ -506,6 +515,7 @@ def _read_options(images: Path) -> dict[str, object]:
     return {
         "shell_job": shell,
         "tcp_established": tcp,
+        "tcp_close": loaded.get("tcp_close") is True,
         "manage_cgroups": cg,
         "journal_streams": [journalstream.JournalStream.from_json(e, path) for e in streams],
     }
