@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpusnap.daemon.host import tmpfsfiles
 from tests.e2e.conftest import Node, Nodes
 from tests.engines.vllm.server import PROMPTS, Server, Stream, model_dir, python, reap, tree
 from tests.support import workloads
@@ -104,6 +105,9 @@ def test_kill_mode_mid_stream_restored_by_another_daemon_answers_identically(
     assert not any(s.done for s in streams), "the streams ended before the dump"
     pids = tree(server.pid)
     assert len(pids) >= 3  # API server, engine core, worker (and the resource tracker)
+    shm = sorted({n for h in tmpfsfiles.held_files(server.pid) for n in h.names})
+    assert any(n.startswith("/dev/shm/") for n in shm), shm  # vLLM's queues and semaphores
+    figures["shm_files"] = len(shm)
 
     ck = _ok(a, "checkpoint", "--pid", str(server.pid))
     figures["kill_checkpoint"] = {
@@ -111,6 +115,13 @@ def test_kill_mode_mid_stream_restored_by_another_daemon_answers_identically(
         for k in ("pause_seconds", "dump_seconds", "images_bytes", "bytes_total", "bytes_uploaded")
     }
     assert server.proc is not None and server.proc.wait(120) == -9  # kill mode: gone
+    shown = a.cli("show", ck["checkpoint_id"], "--json")
+    assert shown.rc == 0, shown.stderr
+    engine = shown.json["stamp"]["engine"]
+    assert (engine["name"], engine["version"], engine["source"]) == ("vllm", "0.32.0", "probed")
+    # As on another node: the server's /dev/shm files are not here; the checkpoint has them.
+    for name in shm:
+        Path(name).unlink(missing_ok=True)
     reap(pids)
     for s in streams:
         assert s.ended.wait(120)
