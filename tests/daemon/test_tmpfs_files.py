@@ -102,15 +102,24 @@ def _restore_and_finish(criu: Criu, images: Path, tmp: Path, pid: int) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def _dump_running(
+    criu: Criu, tmp: Path, holders: list[Holder], *, leave_running: bool
+) -> tuple[bytes, Holder, Path]:
+    """An uninterrupted run's log, and a holder dumped after its first 10 steps."""
+    reference = _reference(tmp, holders)
+    h = Holder(tmp / "run", 0.05)
+    holders.append(h)
+    h.wait_lines(10)
+    images = tmp / "images"
+    res = criu.dump(h.proc.pid, images, leave_running=leave_running, log_path=tmp / "dump.log")
+    assert res.images_bytes > 0
+    return reference, h, images
+
+
 def test_kill_mode_tmpfs_files_saved_and_put_back_on_a_node_without_them(
     criu: Criu, tmp_path: Path, holders: list[Holder]
 ) -> None:
-    reference = _reference(tmp_path, holders)
-    h = Holder(tmp_path / "run", 0.05)
-    holders.append(h)
-    h.wait_lines(10)
-    images = tmp_path / "images"
-    criu.dump(h.proc.pid, images, leave_running=False, log_path=tmp_path / "dump.log")
+    reference, h, images = _dump_running(criu, tmp_path, holders, leave_running=False)
     assert h.proc.wait() == -signal.SIGKILL
 
     saved = tmpfsfiles.saved(images)
@@ -136,13 +145,7 @@ def test_kill_mode_tmpfs_files_saved_and_put_back_on_a_node_without_them(
 def test_leave_running_tmpfs_files_and_a_grown_log_restore_from_another_directory(
     criu: Criu, tmp_path: Path, holders: list[Holder]
 ) -> None:
-    reference = _reference(tmp_path, holders)
-    h = Holder(tmp_path / "run", 0.05)
-    holders.append(h)
-    h.wait_lines(10)
-    images = tmp_path / "images"
-    res = criu.dump(h.proc.pid, images, leave_running=True, log_path=tmp_path / "dump.log")
-    assert res.images_bytes > 0
+    reference, h, images = _dump_running(criu, tmp_path, holders, leave_running=True)
     # It runs on: its log grows past what CRIU recorded, its counter in /dev/shm moves on.
     at_dump = h.lines()
     h.wait_lines(at_dump + 5)
