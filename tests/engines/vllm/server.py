@@ -270,10 +270,10 @@ class Stream:
     ended: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> Stream:
-        threading.Thread(target=self._run, daemon=True).start()
+        threading.Thread(target=self.run, daemon=True).start()
         return self
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             body = greedy(self.prompt, self.max_tokens, stream=True)
             body["model"] = served_model(self.port)
@@ -303,3 +303,41 @@ class Stream:
         finally:
             self.first.set()
             self.ended.set()
+
+
+class Streams:
+    """``width`` streamed completions always in flight: each thread starts the next as soon as
+    its last one ends, until ``stop`` or until the server stops answering (one ended with an
+    error). Whenever the server is stopped, some are cut mid-generation."""
+
+    def __init__(self, port: int, prompts: list[str], max_tokens: int) -> None:
+        self.port, self.prompts, self.max_tokens = port, prompts, max_tokens
+        self.all: list[Stream] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(p,), daemon=True) for p in prompts
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, prompt: str) -> None:
+        while not self._stop.is_set():
+            s = Stream(self.port, prompt, self.max_tokens)
+            self.all.append(s)
+            s.run()
+            if s.error is not None:
+                return
+
+    def wait_generating(self, guard: float = 300.0) -> None:
+        """Until every prompt's stream has had a token."""
+        end = time.monotonic() + guard
+        while {s.prompt for s in self.all if s.token_ids} != set(self.prompts):
+            assert time.monotonic() < end, "the streams never started"
+            time.sleep(0.05)
+
+    def stop(self, guard: float = 300.0) -> list[Stream]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(guard)
+            assert not t.is_alive(), "a stream did not end"
+        return list(self.all)
