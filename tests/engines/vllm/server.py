@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from gpusnap.daemon.host import tmpfsfiles
+
 HERE = Path(__file__).parent
 VENV = Path(os.environ.get("GPUSNAP_VLLM_VENV", "/opt/gpusnap/vllm-venv"))
 VERSION = "0.32.0"
@@ -169,8 +171,12 @@ class Server:
         return complete(self.port, prompt, max_tokens)
 
     def kill(self) -> None:
-        """SIGKILL the tree (its session), and reap what is ours."""
+        """SIGKILL the tree (its session), reap what is ours, and remove the /dev/shm files
+        it held (a killed vLLM leaves them behind)."""
         pids = tree(self.pid) if self.pid else []
+        shm: set[str] = set()
+        with contextlib.suppress(OSError):
+            shm = {n for h in tmpfsfiles.held_files(self.pid) for n in h.names}
         with contextlib.suppress(OSError):
             os.killpg(self.pid, 9)
         for pid in pids:
@@ -179,6 +185,8 @@ class Server:
         reap(pids)
         if self.proc is not None:
             self.proc.wait(60)
+        for name in shm:
+            Path(name).unlink(missing_ok=True)
 
 
 def tree(root: int) -> list[int]:
