@@ -80,14 +80,25 @@ def _mount_of(path: str, mounts: list[tuple[str, str]]) -> str:
     return "/"
 
 
-def held_files(root: int) -> list[_Held]:
-    """The regular tmpfs files the tree under ``root`` has open or mapped, one per inode."""
-    all_mounts: list[tuple[str, str]] = []
-    with open(f"/proc/{root}/mountinfo") as fh:
+def _mounts(pid: int | str) -> list[tuple[str, str]]:
+    """(mount point, file system type) as ``pid`` sees them, longest point first; of one
+    point mounted over, the one on top wins (``dict`` keeps the last)."""
+    mounts: list[tuple[str, str]] = []
+    with open(f"/proc/{pid}/mountinfo") as fh:
         for line in fh:
             left, _, right = line.partition(" - ")
-            all_mounts.append((left.split()[4], right.split()[0] if right else ""))
-    all_mounts.sort(key=lambda m: len(m[0]), reverse=True)
+            mounts.append((left.split()[4], right.split()[0] if right else ""))
+    mounts.sort(key=lambda m: len(m[0]), reverse=True)
+    return mounts
+
+
+def on_tmpfs(path: str, mounts: list[tuple[str, str]]) -> bool:
+    return dict(mounts).get(_mount_of(path, mounts)) in _TMPFS
+
+
+def held_files(root: int) -> list[_Held]:
+    """The regular tmpfs files the tree under ``root`` has open or mapped, one per inode."""
+    all_mounts = _mounts(root)
     held: dict[tuple[int, int], _Held] = {}
     for pid in tree_pids(root):
         for sub in ("fd", "map_files"):
@@ -105,8 +116,7 @@ def held_files(root: int) -> list[_Held]:
                 if not target.startswith("/"):
                     continue  # a socket, a pipe, an anon inode, a memfd
                 path = target.removesuffix(_DELETED)
-                point = _mount_of(path, all_mounts)
-                if dict(all_mounts).get(point) not in _TMPFS:
+                if not on_tmpfs(path, all_mounts):
                     continue
                 try:
                     st = os.stat(opener)
@@ -179,12 +189,17 @@ def put_back(images: Path) -> list[str]:
     names; what is there now is replaced). The names written. ``ValueError`` on a bad index,
     ``OSError`` when a file cannot be written."""
     written: list[str] = []
-    for f in saved(images):
+    files = saved(images)
+    mounts = _mounts("self") if files else []
+    for f in files:
         names, data = f.get("names"), f.get("data")
         if not isinstance(names, list) or not names or not isinstance(data, str):
             raise ValueError(f"{images / DIR / INDEX}: bad entry {f!r}")
         if any(not isinstance(n, str) or not n.startswith("/") or ".." in n for n in names):
             raise ValueError(f"{images / DIR / INDEX}: bad names {names!r}")
+        # Only ever into tmpfs: whatever an index says, nothing on disk is overwritten.
+        if not all(on_tmpfs(n, mounts) for n in names):
+            raise ValueError(f"not on a tmpfs file system on this node: {', '.join(names)}")
         first = names[0]
         os.makedirs(os.path.dirname(first), exist_ok=True)
         tmp = f"{os.path.dirname(first)}/.gpusnap-{os.getpid()}-{os.path.basename(first)}"

@@ -167,3 +167,16 @@ def test_leave_running_tmpfs_files_and_a_grown_log_restore_from_another_director
     assert not Path(remap).exists()  # CRIU used it and removed it
     index = json.loads((moved / tmpfsfiles.DIR / tmpfsfiles.INDEX).read_text())
     assert index["version"] == 1
+
+
+def test_put_back_writes_nothing_outside_tmpfs(tmp_path: Path) -> None:
+    target = "/etc/gpusnap-test-not-tmpfs"
+    (tmp_path / tmpfsfiles.DIR / "data").mkdir(parents=True)
+    (tmp_path / tmpfsfiles.DIR / "data" / "0").write_bytes(b"x")
+    entry = {"names": [target], "size": 1, "mode": 0o600, "uid": 0, "gid": 0, "data": "data/0"}
+    (tmp_path / tmpfsfiles.DIR / tmpfsfiles.INDEX).write_text(
+        json.dumps({"version": 1, "files": [entry]})
+    )
+    with pytest.raises(ValueError, match="not on a tmpfs"):
+        tmpfsfiles.put_back(tmp_path)
+    assert not Path(target).exists()
