@@ -114,13 +114,15 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class StartSpec:
-    """``[[workload]] start = { command, cwd, env, user }``: how a cold start runs the workload
-    fresh where its checkpoint does not fit this node (``host/coldstart.py``)."""
+    """``[[workload]] start = { command, cwd, env, user, checkpoint_ready }``: how a cold start
+    runs the workload fresh where its checkpoint does not fit this node (``host/coldstart.py``)."""
 
     command: tuple[str, ...]
     cwd: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     user: str | None = None
+    # io_uring off for the started tree (gpusnap/seccomp.py), as `gpusnap exec` does.
+    checkpoint_ready: bool = True
 
 
 @dataclass(frozen=True)
@@ -432,6 +434,7 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 cwd=st.string("cwd"),
                 env=st.string_map("env") or {},
                 user=st.string("user"),
+                checkpoint_ready=st.boolean("checkpoint_ready") is not False,
             )
             st.done()
         policy_keys = {k: t.get(k) for k in _POLICY_KEYS if t.data.get(k) is not None}

@@ -57,3 +57,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -c "import gpusnap.storage, grpc, zstandard, boto3, moto" >/dev/null
   touch "$stamp"
 fi
+
+# vLLM's CPU build in a venv of its own, for tests/engines/vllm (a few minutes and ~2.5 GB the
+# first time; a second run only checks its stamp).
+bash scripts/install-vllm.sh

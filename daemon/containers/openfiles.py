@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 _FILES_MAGIC = 0x56303138  # FILES_MAGIC (criu/include/magic.h): files.img
 _MNTS_MAGIC = 0x55563928  # MNTS_MAGIC: mountpoints-<ns>.img
 _FD_TYPE_REG = 1  # fd_types.REG (criu/images/fdinfo.proto)
-# file_entry (fdinfo.proto): 1 type, 3 reg. reg_file_entry (regfile.proto): 6 name,
-# 7 mnt_id (sint32), 8 size. mnt_entry (mnt.proto): 2 mnt_id, 7 mountpoint.
+# file_entry (fdinfo.proto): 1 type, 3 reg. reg_file_entry (regfile.proto): 2 flags,
+# 6 name, 7 mnt_id (sint32), 8 size. mnt_entry (mnt.proto): 2 mnt_id, 7 mountpoint.
 _COPY = 1 << 20
 ROOTFS_DIFF = "rootfs-diff.tar"  # the rw-layer diff as podman exports it and runc's body writes
 
@@ -60,10 +60,15 @@ class Fitted:
         }
 
 
-def recorded_sizes(images: Path) -> dict[str, int]:
+def recorded_sizes(images: Path, *, host_tree: bool = False) -> dict[str, int]:
     """Path (relative to the container's root) -> size, of each regular file on the root mount
     that CRIU recorded a size for, from the images in ``images``; empty where there are none
-    (no ``files.img``). ``Corrupt`` when the images cannot be read."""
+    (no ``files.img``). ``Corrupt`` when the images cannot be read.
+
+    ``host_tree``: the images are of a process tree in the host's mount namespace (gpusnap's
+    process-tree checkpoints, ``host/criu.py``): every file counts, its path relative to the
+    host's ``/``, but only those the tree had open for writing (a log; what it only reads is
+    not its to cut)."""
     files = images / "files.img"
     if not files.is_file():
         return {}
@@ -81,10 +86,13 @@ def recorded_sizes(images: Path) -> dict[str, int]:
             if f.get(1) != _FD_TYPE_REG or not isinstance(reg, bytes):
                 continue
             r = fields(reg)
-            name, mnt, size = r.get(6), r.get(7), r.get(8)
+            name, mnt, size, flags = r.get(6), r.get(7), r.get(8), r.get(2)
             if not isinstance(name, bytes) or not isinstance(size, int):
                 continue
-            if not isinstance(mnt, int) or zigzag(mnt) not in roots:
+            if host_tree:
+                if not isinstance(flags, int) or flags & os.O_ACCMODE == os.O_RDONLY:
+                    continue
+            elif not isinstance(mnt, int) or zigzag(mnt) not in roots:
                 continue
             rel = _relative(name.decode("utf-8", "surrogateescape"))
             if rel is not None:

