@@ -35,7 +35,7 @@ from gpusnap.daemon.containers.model import (
 )
 from gpusnap.daemon.containers.podman import PodmanRuntime
 from gpusnap.daemon.containers.runc import RuncRuntime
-from gpusnap.daemon.containers.runtime import ContainerRuntime, ns_pids
+from gpusnap.daemon.containers.runtime import ContainerRuntime
 from gpusnap.daemon.containers.runtimes import RUNTIMES, RuntimeSet, open_runtime
 from gpusnap.errors import NotFound, Unsupported
 
@@ -83,6 +83,5 @@ __all__ = [
     "container_reasons",
     "detect_runtime",
     "load_parts",
-    "ns_pids",
     "open_runtime",
 ]

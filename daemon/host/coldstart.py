@@ -14,14 +14,25 @@ import os
 import pwd
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.config import StartSpec
 from gpusnap.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    """``[[workload]] start = { command, cwd, env, user }``: how a cold start runs the workload
+    fresh where its checkpoint does not fit this node (``launch`` below); the config's
+    ``[[workload]] start`` parses into one."""
+
+    command: tuple[str, ...]
+    cwd: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
 
 
 @dataclass(frozen=True)

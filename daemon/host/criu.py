@@ -20,9 +20,9 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   ``host/journalstream.py``), and at restore ``--inherit-fd fd[N]:socket:[INO]`` with a new
   stream to journald in its place: CRIU cannot dump one half of a stream connection.
 - ``--libdir`` an empty directory: no CRIU plugin runs, CUDA's least of all (``criu_plugins``).
-- ``--auto-dedup`` on the restore from a pull's staging only (``daemon/restore.py``): each page
-  is punched out of the images once restored, so the restored memory reuses those warm pages;
-  never on a rescue from local images, which may have to be kept.
+- ``--auto-dedup`` on the restore from a pull's staging only (``daemon/pipelines/restore.py``):
+  each page is punched out of the images once restored, so the restored memory reuses those
+  warm pages; never on a rescue from local images, which may have to be kept.
 
 The dump records the options it used in ``gpusnap-criu.json`` next to the images, so a restore
 (on any node, from the store) passes the matching ones.
