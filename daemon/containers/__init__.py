@@ -9,8 +9,9 @@ parts directory; a restore pulls it, calls ``restore`` and thaws GPU state on th
 holds one node's runtimes, made once from their options. docs/containers.md
 describes the layer, what each runtime needs, and what fails.
 
-Imports nothing of gpusnap's but ``gpusnap.errors`` (and itself): no other daemon module, no
-storage, no proto.
+Imports nothing of gpusnap's but ``gpusnap.errors``, itself and ``daemon.host`` (its /proc
+reader, ``host/proctree.py``, for a container's host pids and cgroup limits): no other daemon
+module, no storage, no proto.
 """
 
 from __future__ import annotations

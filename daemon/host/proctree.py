@@ -1,4 +1,6 @@
-"""What /proc says about a workload: its process tree, files, identity and launch spec.
+"""What /proc says about a workload: its process tree, files, identity and launch spec; for a
+container, the processes of its pid namespace and the cgroup limits in force. The daemon's one
+/proc reader (``containers/`` reads through it too).
 
 Read-only and without running code in the target: everything comes from /proc/<pid>/* and the
 filesystem. ``environ`` is returned as the process has it, secrets included; callers decide what
