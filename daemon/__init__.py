@@ -1,19 +1,18 @@
-"""gpusnapd, the node daemon, in rooms named for what they hold.
+"""gpusnapd, the node daemon, in packages named for what they hold (top to bottom, each may
+import only those below it; ``docs/architecture.md`` is the map):
 
-At the top: ``main`` (the process: config, lock, CRIU check, service, API, systemd),
-``config`` (+ ``config_table``), ``service`` (``DaemonService``, what the API asks),
-``status``, ``node`` (``Node``: what a job body may use), the job bodies ``checkpoint``,
-``restore`` and ``rescue``, ``stamp`` (what a checkpoint carries), ``compat`` and ``verdict``
-(the gate), ``gpu_memory`` (device memory in the store), ``gpu_tree`` (a tree's GPU facts
-for the stamp, and a tree whose GPU restore failed), ``hooks`` (per-workload commands around a
-checkpoint and a restore), ``statedir``, ``metrics``, ``sdnotify``; for containers the bodies
-``container_checkpoint`` and ``container_restore``, ``container_stamp`` (their stamp section
-and gate rules), ``container_upload`` (parts uploaded during the export) and
-``container_config`` (``[containers]``). Rooms: ``jobs/`` (job, executor, journal), ``host/``
-(/proc, CRIU, cold start), ``gpu/`` (the CUDA checkpoint layer), ``containers/`` (podman,
-runc, containerd), ``api`` and ``reclaim`` (triggers and migration).
+- ``main`` (the process: config, lock, CRIU check, service, API, systemd) and ``service``
+  (``DaemonService``, what the API asks); ``api/``: the gRPC front.
+- ``pipelines/``: the checkpoint and restore job bodies of both subjects (a process tree:
+  ``checkpoint``, ``restore``; a container: ``container_checkpoint``, ``container_restore``)
+  and their shared phases (hooks, progress, GPU memory and GPU tree, rescue, recovery).
+- ``node/``: ``Node``, what a job body may use of this node; the store check; the status.
+- ``gpu/``: the CUDA checkpoint layer.
+- ``gate/``: the stamp a checkpoint carries and every reason it cannot restore here.
+- ``config/``: the one TOML file, every table.
+- ``reclaim/``: triggers and migration; ``containers/``: podman, runc, containerd;
+  ``host/``: /proc, CRIU, cold start; ``infra/``: state directories, metrics, systemd notify;
+  ``jobs/``: job, executor, journal.
 
 May import ``gpusnap.storage``, ``gpusnap.proto`` and ``gpusnap.errors``; never ``gpusnap.cli``.
-``gpu/`` never imports ``gpusnap.storage`` (its copies go through callables it is given), and
-nothing but ``main`` imports ``service`` (the API types it by a Protocol).
 """

@@ -2,10 +2,10 @@
 
 Start order: config (an error is one line and exit 2; key files must load) -> the state
 dir's lock (another daemon holds it: one line, exit 1, nothing touched) -> CRIU check (missing
-or too old: one actionable line, exit 1) -> recovery of a dead daemon's jobs (``recovery.py``:
-a kill-mode dump's images restored, the rest of staging removed), store
+or too old: one actionable line, exit 1) -> recovery of a dead daemon's jobs
+(``pipelines/recovery.py``: a kill-mode dump's images restored, the rest of staging removed), store
 (unreachable: a warning; jobs fail with Unavailable until it is back) -> reclaim (watchers,
-policy, standby: ``daemon/reclaim/``) -> the store check's schedule (``daemon/storecheck.py``)
+policy, standby: ``daemon/reclaim/``) -> the store check's schedule (``daemon/node/storecheck.py``)
 -> the gRPC socket -> ``READY=1`` and the watchdog.
 SIGTERM/SIGINT: ``STOPPING=1``, the shutdown hooks (a reclaim checkpoint may run there),
 running jobs get time to finish while systemd is asked for more (``EXTEND_TIMEOUT_USEC``),
@@ -27,15 +27,15 @@ from types import FrameType
 from typing import Any
 
 from gpusnap import __version__
-from gpusnap.daemon import sdnotify
 from gpusnap.daemon.api import TcpListenerConfig, start_server, stop_server
-from gpusnap.daemon.config import DEFAULT_CONFIG_PATH, Config, load_config
+from gpusnap.daemon.config.file import DEFAULT_CONFIG_PATH, Config, load_config
 from gpusnap.daemon.host.criu import Criu, systemd_running
-from gpusnap.daemon.metrics import start_metrics_server
+from gpusnap.daemon.infra import sdnotify
+from gpusnap.daemon.infra.metrics import start_metrics_server
+from gpusnap.daemon.infra.statedir import StateDirLock
 from gpusnap.daemon.reclaim.config import WorkloadPolicy
 from gpusnap.daemon.reclaim.runtime import ReclaimRuntime
 from gpusnap.daemon.service import DaemonService
-from gpusnap.daemon.statedir import StateDirLock
 from gpusnap.errors import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"CRIU is required: {err}", EXIT_FAILURE)
 
     # The service's start settles what a dead daemon left (a kill-mode dump's images are
-    # restored there: daemon/recovery.py), which may outlast systemd's start timeout.
+    # restored there: daemon/pipelines/recovery.py), which may outlast systemd's start timeout.
     started = threading.Event()
     threading.Thread(target=_extend_until, args=(started,), daemon=True).start()
     try:

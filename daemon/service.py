@@ -23,31 +23,31 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpusnap.daemon import recovery
-from gpusnap.daemon import status as status_report
-from gpusnap.daemon.checkpoint import CheckpointPlan, run_checkpoint
-from gpusnap.daemon.config import Config, WorkloadConfig
-from gpusnap.daemon.container_checkpoint import (
-    check_container_name,
-    container_plan,
-    run_container_checkpoint,
-)
+from gpusnap.daemon.config.file import Config, WorkloadConfig
 from gpusnap.daemon.containers import RuntimeSet
+from gpusnap.daemon.gate.verdict import CompatVerdict
 from gpusnap.daemon.gpu.adapter import GpuAdapter, open_gpu
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.daemon.host.reaper import Reaper
 from gpusnap.daemon.host.target import pid_root, workload_root
+from gpusnap.daemon.infra.metrics import METRICS
+from gpusnap.daemon.infra.statedir import StateDirLock, StateDirs
 from gpusnap.daemon.jobs.executor import JobContext, JobExecutor
 from gpusnap.daemon.jobs.job import Job, JobKind
 from gpusnap.daemon.jobs.journal import Journal
-from gpusnap.daemon.metrics import METRICS
-from gpusnap.daemon.node import HostFacts, Node, StoreHandle
+from gpusnap.daemon.node import status as status_report
+from gpusnap.daemon.node.node import HostFacts, Node, StoreHandle
+from gpusnap.daemon.node.storecheck import STATE_FILE, StoreChecker
+from gpusnap.daemon.pipelines import recovery
+from gpusnap.daemon.pipelines.checkpoint import CheckpointPlan, run_checkpoint
+from gpusnap.daemon.pipelines.container_checkpoint import (
+    check_container_name,
+    container_plan,
+    run_container_checkpoint,
+)
+from gpusnap.daemon.pipelines.restore import RestorePlan, run_restore
 from gpusnap.daemon.reclaim.runtime import ReclaimRuntime
-from gpusnap.daemon.restore import RestorePlan, run_restore
-from gpusnap.daemon.statedir import StateDirLock, StateDirs
-from gpusnap.daemon.storecheck import STATE_FILE, StoreChecker
-from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import GpusnapError, InvalidArgument, NotFound, Unsupported
 from gpusnap.storage.manifest import check_checkpoint_id, check_workload
 
@@ -69,7 +69,7 @@ class DaemonService:
         self.config = config
         dirs = StateDirs.of(config.daemon.state_dir, config.daemon.staging_dir)
         # First of all, before the journal's recovery or the staging cleanup can touch
-        # anything: this state dir is ours alone, or we stop here (see daemon/statedir.py).
+        # anything: this state dir is ours alone, or we stop here (see daemon/infra/statedir.py).
         self.state_lock = state_lock or StateDirLock.acquire(dirs.state, config.daemon.staging_dir)
         dirs.prepare()
         if not config.store.verify:
@@ -106,7 +106,7 @@ class DaemonService:
             ),
         )
         # A dead daemon's jobs: interrupted, and what they left in staging settled (a
-        # kill-mode dump's images restored) before any new job runs (daemon/recovery.py).
+        # kill-mode dump's images restored) before any new job runs (daemon/pipelines/recovery.py).
         self.interrupted = recovery.recover(self.node, self.journal)
         self.executor = JobExecutor(
             self.journal, max_jobs=config.daemon.max_jobs, on_finish=self._job_finished

@@ -14,7 +14,7 @@ This package imports nothing of gpusnap's but itself and ``gpusnap.errors`` (no 
 cli, no proto).
 """
 
-from gpusnap.storage.backend import Backend, BackendOptions, ObjectInfo, open_backend
+from gpusnap.storage.backend import Backend, BackendOptions, ObjectInfo
 from gpusnap.storage.cache import ChunkCache
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.identity import StoreIdentity
@@ -27,6 +27,7 @@ from gpusnap.storage.keys import (
 )
 from gpusnap.storage.layout import MIGRATION_PREFIX
 from gpusnap.storage.manifest import ChunkRef, FileEntry, Manifest, ManifestSummary
+from gpusnap.storage.open import open_backend
 from gpusnap.storage.parallel import ProgressFn
 from gpusnap.storage.records import SignedRecords
 from gpusnap.storage.store import (

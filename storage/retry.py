@@ -23,12 +23,10 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from gpusnap.errors import AlreadyExists, GpusnapError, InvalidArgument, with_message
-
-if TYPE_CHECKING:  # backend.py imports this module at run time
-    from gpusnap.storage.backend import Backend, ObjectInfo
+from gpusnap.storage.backend import Backend, ObjectInfo
 
 log = logging.getLogger(__name__)
 

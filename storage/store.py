@@ -20,7 +20,7 @@ from typing import Any, Unpack
 
 from gpusnap.errors import GpusnapError, InvalidArgument
 from gpusnap.storage import catalog, gc, prefetch, pull, push, verify
-from gpusnap.storage.backend import Backend, BackendOptions, open_backend
+from gpusnap.storage.backend import Backend, BackendOptions
 from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.context import StoreContext, open_context
 from gpusnap.storage.gc import GcReport
@@ -33,6 +33,7 @@ from gpusnap.storage.keys import (
     load_trusted_keys,
 )
 from gpusnap.storage.manifest import Manifest, ManifestSummary
+from gpusnap.storage.open import open_backend
 from gpusnap.storage.parallel import ProgressFn
 from gpusnap.storage.prefetch import PrefetchOptions, PrefetchResult
 from gpusnap.storage.pull import PullResult, PullStats

@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = REPO / "src" / "gpusnap"
 LINKED = ("cli", "daemon", "proto", "storage")
-ROOT_FILES = ("__init__.py", "errors.py", "py.typed")
+ROOT_FILES = ("__init__.py", "errors.py", "py.typed", "seccomp.py")
 
 
 @pytest.mark.parametrize("name", LINKED)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the daemon client is imported only by a plan that asks it
 GiB = engines.GiB
 
 # The notice each cloud gives before it takes a spot machine back, in seconds
-# (shared/reference/spot-signals-and-systemd.md): AWS's two-minute interruption notice;
+# (docs/planning.md): AWS's two-minute interruption notice;
 # GCP Spot's 30 s between ACPI G2 soft-off and G3 hard-off (with no preemption notice
 # period configured); Azure's Preempt scheduled event, at least 30 s before NotBefore.
 CLOUD_DEADLINES: tuple[tuple[str, float], ...] = (("aws", 120.0), ("gcp", 30.0), ("azure", 30.0))

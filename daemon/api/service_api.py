@@ -5,7 +5,7 @@ it, and so does any test double. The servicers (``daemon/api/servicers.py``) onl
 protobuf messages to these calls and the results back; every decision, every check of an
 argument included, is made behind this interface. Methods raise the error kinds of
 ``gpusnap.errors``. Jobs and verdicts are typed by the shape the wire needs of them
-(``gpusnap.proto.wire.JobView``/``VerdictView``), so this room imports nothing of the daemon's.
+(``gpusnap.proto.wire.JobView``/``VerdictView``), so this package imports nothing of the daemon's.
 """
 
 from __future__ import annotations

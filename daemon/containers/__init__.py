@@ -9,8 +9,9 @@ parts directory; a restore pulls it, calls ``restore`` and thaws GPU state on th
 holds one node's runtimes, made once from their options. docs/containers.md
 describes the layer, what each runtime needs, and what fails.
 
-Imports nothing of gpusnap's but ``gpusnap.errors`` (and itself): no other daemon module, no
-storage, no proto.
+Imports nothing of gpusnap's but ``gpusnap.errors``, itself and ``daemon.host`` (its /proc
+reader, ``host/proctree.py``, for a container's host pids and cgroup limits): no other daemon
+module, no storage, no proto.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from gpusnap.daemon.containers.model import (
 )
 from gpusnap.daemon.containers.podman import PodmanRuntime
 from gpusnap.daemon.containers.runc import RuncRuntime
-from gpusnap.daemon.containers.runtime import ContainerRuntime, ns_pids
+from gpusnap.daemon.containers.runtime import ContainerRuntime
 from gpusnap.daemon.containers.runtimes import RUNTIMES, RuntimeSet, open_runtime
 from gpusnap.errors import NotFound, Unsupported
 
@@ -83,6 +84,5 @@ __all__ = [
     "container_reasons",
     "detect_runtime",
     "load_parts",
-    "ns_pids",
     "open_runtime",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpusnap.daemon.containers.criuimg import entries, fields
+from gpusnap.daemon.host.criuimg import entries, fields
 
 STATS_NAME = "stats-dump"
 _STATS_MAGIC = 0x57093306

@@ -37,7 +37,7 @@ from gpusnap.daemon.containers.model import (
     index_parts,
 )
 from gpusnap.daemon.containers.oci import overlay_upper, spec_from_oci, spec_to_oci
-from gpusnap.daemon.containers.openfiles import Fitted, criu_images, fit_tree, recorded_sizes
+from gpusnap.daemon.containers.openfiles import criu_images
 from gpusnap.daemon.containers.runtime import (
     DEFAULT_CRIU,
     DEFAULT_TIMEOUT,
@@ -45,6 +45,7 @@ from gpusnap.daemon.containers.runtime import (
     RuntimeTool,
     last_line,
 )
+from gpusnap.daemon.host.openfiles import Fitted, fit_tree, recorded_sizes
 from gpusnap.errors import AlreadyExists, FailedPrecondition, NotFound
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,9 @@ from gpusnap.daemon.containers.model import (
     Dumped,
     write_parts,
 )
-from gpusnap.daemon.containers.openfiles import Fitted, fit_parts
+from gpusnap.daemon.containers.openfiles import fit_parts
+from gpusnap.daemon.host.openfiles import Fitted
+from gpusnap.daemon.host.proctree import cgroup_limits, host_pids
 from gpusnap.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -369,96 +371,3 @@ def checkpoint_attempt(
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
-
-
-# --- host facts of a container's processes ------------------------------------------------
-
-
-def pid_namespace(pid: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError as exc:
-        raise FailedPrecondition(f"process {pid} is gone") from exc
-
-
-def host_pids(init_pid: int) -> tuple[int, ...]:
-    """Host pids of every process in ``init_pid``'s pid namespace, init first.
-
-    A container's processes share its init's pid namespace (nested ones are children of a
-    process in it and are frozen with it by CRIU), so this is runtime-agnostic and needs no
-    cgroup layout."""
-    ns = pid_namespace(init_pid)
-    out = [init_pid]
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == init_pid:
-            continue
-        try:
-            if os.readlink(f"/proc/{entry}/ns/pid") == ns:
-                out.append(int(entry))
-        except OSError:
-            continue  # exited meanwhile, or a kernel thread
-    return (out[0], *sorted(out[1:]))
-
-
-def ns_pids(pids: Sequence[int]) -> dict[int, int]:
-    """Each host pid's pid inside its own (innermost) pid namespace: the last ``NSpid`` of
-    ``/proc/PID/status``. A container's pids in its namespace survive a checkpoint and restore
-    (CRIU restores them), its host pids do not; this is how one maps to the other. A process
-    that is gone is left out."""
-    out: dict[int, int] = {}
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("NSpid:"):
-                out[pid] = int(line.split()[-1])
-                break
-    return out
-
-
-# cgroup v2 file, cgroup v1 (controller, file), the key recorded
-_LIMITS = (
-    ("memory.max", ("memory", "memory.limit_in_bytes"), "memory"),
-    ("pids.max", ("pids", "pids.max"), "pids"),
-    ("cpu.max", ("cpu", "cpu.cfs_quota_us"), "cpu"),
-    ("cpuset.cpus.effective", ("cpuset", "cpuset.cpus"), "cpuset"),
-)
-
-
-def cgroup_limits(pid: int, root: Path = Path("/sys/fs/cgroup")) -> dict[str, str]:
-    """The limits the kernel enforces on ``pid``: memory, pids, cpu, cpuset, from whichever
-    cgroup hierarchy holds each controller (v2, v1, or hybrid)."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError as exc:
-        raise FailedPrecondition(f"process {pid} is gone") from exc
-    v1: dict[str, str] = {}
-    v2 = ""
-    for line in lines:
-        hid, ctrls, path = line.split(":", 2)
-        if hid == "0" and ctrls == "":
-            v2 = path
-        for c in ctrls.split(","):
-            if c:
-                v1[c] = path
-    out: dict[str, str] = {}
-    unified = root / "unified" if (root / "unified").is_dir() else root
-    for v2file, (ctrl, v1file), key in _LIMITS:
-        candidates = []
-        if ctrl in v1:
-            candidates.append(root / ctrl / v1[ctrl].lstrip("/") / v1file)
-        if v2:
-            candidates.append(unified / v2.lstrip("/") / v2file)
-        for f in candidates:
-            try:
-                value = f.read_text().strip()
-                if f.name == "cpu.cfs_quota_us":  # v1: written as v2's "QUOTA PERIOD"
-                    period = (f.parent / "cpu.cfs_period_us").read_text().strip()
-                    value = f"{'max' if value == '-1' else value} {period}"
-                out[key] = value
-                break
-            except OSError:
-                continue
-    return out

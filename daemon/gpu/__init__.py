@@ -8,8 +8,8 @@ a separate worker process (``worker``), never in the daemon.
 
 Must not import ``cuda`` at import time (only ``driver``, loaded by the worker, does), nor
 ``gpusnap.storage``: what custom storage copies out or in goes through the sink and source
-callables the checkpoint and restore bodies give it (``daemon/gpu_memory.py``). Imports only
-``daemon/verdict.py`` and ``gpusnap.errors`` outside itself.
+callables the checkpoint and restore bodies give it (``daemon/pipelines/gpu_memory.py``).
+Imports only ``daemon/gate/verdict.py`` and ``gpusnap.errors`` outside itself.
 """
 
 from gpusnap.daemon.gpu.coordinator import GpuCoordinator

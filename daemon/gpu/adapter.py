@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from gpusnap.daemon.gate.verdict import Reason
 from gpusnap.daemon.gpu.coordinator import GpuCoordinator
 from gpusnap.daemon.gpu.custom_storage import CustomStorage, MemorySource
 from gpusnap.daemon.gpu.inventory import NVRM_VERSION_FILE
-from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import Unavailable
 
 log = logging.getLogger(__name__)

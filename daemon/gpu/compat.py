@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpusnap.daemon.verdict import Reason
+from gpusnap.daemon.gate.verdict import Reason
 
 
 def bytes_per_device(gpu_stamp: dict[str, Any]) -> dict[str, int]:

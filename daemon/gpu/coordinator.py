@@ -24,6 +24,7 @@ import logging
 import time
 from typing import Any
 
+from gpusnap.daemon.gate.verdict import Reason
 from gpusnap.daemon.gpu.compat import gpu_compat_reasons, target_devices
 from gpusnap.daemon.gpu.custom_storage import (
     CustomStorage,
@@ -41,7 +42,6 @@ from gpusnap.daemon.gpu.inventory import (
 from gpusnap.daemon.gpu.processes import NONE, Processes
 from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.gpu.worker import GpuWorker
-from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import (
     FailedPrecondition,
     GpusnapError,

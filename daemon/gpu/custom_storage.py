@@ -9,8 +9,8 @@ other half to a ``MemorySink``. A restore runs the same ring the other way: piec
 worker call has the worker's deadline.
 
 Where the bytes go is not this package's business: the checkpoint and restore bodies build the
-sink and the source from the store (``daemon/gpu_memory.py``), so the GPU layer never imports
-the store.
+sink and the source from the store (``daemon/pipelines/gpu_memory.py``), so the GPU layer never
+imports the store.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ files a tree has open or mapped, ``criu`` dumps and restores a tree, ``pagestrea
 CRIU's page images while CRIU writes them, ``coldstart`` runs a launch spec fresh, and
 ``reaper`` reaps what the daemon restored or started.
 
-Must not import the GPU layer, the jobs, the API or the service; ``pagestream`` alone talks
+The daemon's floor: imports nothing else of the daemon (what it needs of the config, a
+workload's ``WorkloadFacts`` and ``StartSpec``, is defined here); ``pagestream`` alone talks
 to the store (``CheckpointStore.upload_growing``).
 """

@@ -17,15 +17,28 @@ import os
 import pwd
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpusnap import seccomp
-from gpusnap.daemon.config import StartSpec
 from gpusnap.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    """``[[workload]] start = { command, cwd, env, user, checkpoint_ready }``: how a cold start
+    runs the workload fresh where its checkpoint does not fit this node (``launch`` below); the
+    config's ``[[workload]] start`` parses into one."""
+
+    command: tuple[str, ...]
+    cwd: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
+    # io_uring off for the started tree (gpusnap/seccomp.py), as `gpusnap exec` does.
+    checkpoint_ready: bool = True
 
 
 @dataclass(frozen=True)

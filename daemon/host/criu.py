@@ -22,9 +22,9 @@ The options gpusnap passes, and why (docs/operations-criu.md has the long form):
   ``host/journalstream.py``), and at restore ``--inherit-fd fd[N]:socket:[INO]`` with a new
   stream to journald in its place: CRIU cannot dump one half of a stream connection.
 - ``--libdir`` an empty directory: no CRIU plugin runs, CUDA's least of all (``criu_plugins``).
-- ``--auto-dedup`` on the restore from a pull's staging only (``daemon/restore.py``): each page
-  is punched out of the images once restored, so the restored memory reuses those warm pages;
-  never on a rescue from local images, which may have to be kept.
+- ``--auto-dedup`` on the restore from a pull's staging only (``daemon/pipelines/restore.py``):
+  each page is punched out of the images once restored, so the restored memory reuses those
+  warm pages; never on a rescue from local images, which may have to be kept.
 
 The dump records the options it used in ``gpusnap-criu.json`` next to the images, so a restore
 (on any node, from the store) passes the matching ones.
@@ -48,9 +48,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.daemon.containers.openfiles import fit_tree, recorded_sizes
 from gpusnap.daemon.host import criu_run, journalstream, proctree, tmpfsfiles
 from gpusnap.daemon.host.criu_plugins import no_plugins_args
+from gpusnap.daemon.host.openfiles import fit_tree, recorded_sizes
 from gpusnap.errors import (
     Corrupt,
     DeadlineExceeded,
@@ -388,7 +388,7 @@ def _post_dump_script(logp: Path, images: Path) -> tuple[Path, Path]:
 def _put_back_files(images: Path) -> None:
     """Before CRIU reads ``images``: the tmpfs files the tree held put back where they were
     (``host/tmpfsfiles.py``), and the files it had open for writing that grew since the dump
-    (a log) cut back to the size CRIU recorded (``containers/openfiles.py``, as for a
+    (a log) cut back to the size CRIU recorded (``host/openfiles.py``, as for a
     container's rw layer), which CRIU would otherwise refuse ("bad size")."""
     try:
         names = tmpfsfiles.put_back(images)

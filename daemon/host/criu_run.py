@@ -11,7 +11,7 @@ now and then: criu never ran.) What that leaves was measured with criu 4.1.1 (SI
 tracer's death detaches the tree and CRIU's parasite code in it returns to the interrupted
 context, so the tree runs on, unharmed; only once CRIU has reached its kill stage (after every
 image is written and flushed) is the tree gone, and then the images are complete.
-``daemon/recovery.py`` tells these apart at the next start.
+``daemon/pipelines/recovery.py`` tells these apart at the next start.
 
 A restore is left to finish. Measured the same way, a ``criu restore`` killed after the tree
 was forked leaves its processes hung in CRIU's restorer (alive, holding their pids, never

@@ -9,13 +9,28 @@ daemon never finds itself.
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Protocol
 
-from gpusnap.daemon.config import WorkloadConfig
 from gpusnap.daemon.host import proctree, scopes
 from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
-def workload_root(w: WorkloadConfig) -> int:
+class WorkloadFacts(Protocol):
+    """What finding a workload's tree needs of its configuration (the daemon config's
+    ``WorkloadConfig`` has these): its name and how it is found."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pid_file(self) -> Path | None: ...
+    @property
+    def systemd_unit(self) -> str | None: ...
+    @property
+    def match(self) -> str | None: ...
+
+
+def workload_root(w: WorkloadFacts) -> int:
     """The root pid of the configured workload ``w``'s running tree."""
     if w.pid_file is None and w.systemd_unit is None and w.match is None:
         raise FailedPrecondition(

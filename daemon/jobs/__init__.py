@@ -4,6 +4,6 @@
 runs job bodies on threads and streams their changes (``JobContext`` is all a body sees of
 its job), ``journal`` keeps every job in SQLite across restarts.
 
-Knows nothing of what a job does: must not import the job bodies (``daemon/checkpoint.py``,
-``daemon/restore.py``), the host, the GPU layer, the store or the API.
+Knows nothing of what a job does: must not import the job bodies
+(``daemon/pipelines/``), the host, the GPU layer, the store or the API.
 """

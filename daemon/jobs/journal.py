@@ -3,8 +3,8 @@
 One row per job, rewritten as the job moves (state, phase, progress, result as JSON). The
 database runs in WAL mode so a reader never blocks the writer and a crash loses at most the
 last progress update. When the daemon starts, jobs a previous daemon left QUEUED or RUNNING are
-marked INTERRUPTED; what they left in staging is settled by ``daemon/recovery.py``, which adds
-what it did to the job's one line. Nothing can be
+marked INTERRUPTED; what they left in staging is settled by ``daemon/pipelines/recovery.py``,
+which adds what it did to the job's one line. Nothing can be
 half-committed in the store: a checkpoint exists only once its manifest is written, last.
 """
 

@@ -12,8 +12,8 @@ checkpoints find a new node through the store.
   ``node``: ``NodeDaemon``, all reclaim needs of the daemon; ``runtime``: ``ReclaimRuntime``,
   everything above running in one daemon.
 
-May import ``gpusnap.errors``, ``gpusnap.storage``, ``gpusnap.daemon.jobs.job`` (jobs),
-``gpusnap.daemon.verdict`` (verdicts) and ``gpusnap.daemon.sdnotify``; never the service,
-the gRPC layer, the daemon's config or the CLI: the daemon hands itself over as a
-``NodeDaemon`` and its config as the typed tables here.
+May import ``gpusnap.errors``, ``gpusnap.storage``, ``gpusnap.daemon.jobs`` and
+``gpusnap.daemon.infra`` (metrics, systemd notify); never the service, the gRPC layer, the
+daemon's config, the gate or the CLI: the daemon hands itself over as a ``NodeDaemon`` (its
+verdicts as ``standby.Verdict``) and its config as the typed tables here.
 """

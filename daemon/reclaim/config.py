@@ -2,7 +2,7 @@
 
 Plain functions over parsed TOML mappings, each returning a frozen, typed value:
 ``parse_triggers`` -> ``TriggersConfig``, ``parse_migration`` -> ``MigrationConfig``,
-``parse_workload_policy`` -> ``WorkloadPolicy``. ``gpusnap.daemon.config`` calls them; a
+``parse_workload_policy`` -> ``WorkloadPolicy``. ``gpusnap.daemon.config.file`` calls them; a
 problem is an ``InvalidArgument`` naming the key. Imports nothing of the daemon (only the
 metadata URL check, the workload-name grammar and the error vocabulary), so the daemon's config
 can import it freely.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol, TypedDict, Unpack
 
 from gpusnap.daemon.jobs.job import Job
-from gpusnap.daemon.verdict import CompatVerdict
+from gpusnap.daemon.reclaim.standby import Verdict
 from gpusnap.storage.store import CheckpointStore
 
 
@@ -46,7 +46,7 @@ class NodeDaemon(Protocol):
         """Queue a restore (or, on a mismatch, a cold start) of a checkpoint."""
         ...
 
-    def compat(self, checkpoint_id: str) -> CompatVerdict:
+    def compat(self, checkpoint_id: str) -> Verdict:
         """Whether this node matches a checkpoint's stamp, and every reason it does not."""
         ...
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpusnap.daemon.metrics import METRICS
+from gpusnap.daemon.infra.metrics import METRICS
 from gpusnap.daemon.reclaim.node import StoreAccess
 from gpusnap.daemon.reclaim.polling import poll_until_stopped
 from gpusnap.errors import Corrupt, GpusnapError

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-from gpusnap.daemon import sdnotify
+from gpusnap.daemon.infra import sdnotify
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState
 from gpusnap.daemon.reclaim.board import (
     MigrationBoard,

@@ -14,7 +14,7 @@ SIGTERM: systemd stops the daemon both for a node shutdown and for a plain
 tells them apart (logind's ``PreparingForShutdown``, else ``systemctl is-system-running``).
 
 ``StopTimeoutExtender`` keeps sending ``EXTEND_TIMEOUT_USEC`` (through a callable, e.g.
-``gpusnap.daemon.sdnotify.extend_timeout``) while a reclaim checkpoint runs during stop.
+``gpusnap.daemon.infra.sdnotify.extend_timeout``) while a reclaim checkpoint runs during stop.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from gpusnap.daemon.jobs.job import Job, JobState
 from gpusnap.daemon.reclaim.board import (
@@ -27,12 +27,22 @@ from gpusnap.daemon.reclaim.board import (
     MigrationRequest,
 )
 from gpusnap.daemon.reclaim.polling import poll_until_stopped
-from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import AlreadyExists, GpusnapError
 
 log = logging.getLogger(__name__)
 
-CompatCheck = Callable[[str], CompatVerdict]
+
+class Verdict(Protocol):
+    """What a standby reads of the compatibility gate's answer for a checkpoint (the daemon's
+    ``gate/verdict.py:CompatVerdict``): whether it fits here, and why not."""
+
+    @property
+    def compatible(self) -> bool: ...
+    @property
+    def reasons(self) -> Sequence[object]: ...
+
+
+CompatCheck = Callable[[str], Verdict]
 RestoreRun = Callable[[MigrationRequest, MigrationClaim], Job]  # blocks until the job ends
 LatestCheckpoint = Callable[[str], str | None]  # a workload's newest checkpoint in the store
 

@@ -24,10 +24,10 @@ import grpc
 import pytest
 
 from gpusnap.daemon.api import DaemonServiceAPI, start_server, stop_server
-from gpusnap.daemon.config import parse_config
+from gpusnap.daemon.config.file import parse_config
+from gpusnap.daemon.gate.verdict import CompatVerdict, Reason
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, Progress
 from gpusnap.daemon.service import DaemonService
-from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import KINDS, NotFound
 from gpusnap.storage import generate_signing_key
 

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from gpusnap.daemon.metrics import (
+from gpusnap.daemon.infra.metrics import (
     CONTENT_TYPE,
     MetricsRegistry,
     parse_address,

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpusnap.daemon.config import StartSpec
 from gpusnap.daemon.host import coldstart
+from gpusnap.daemon.host.coldstart import StartSpec
 from tests.cli._cli import GPUSNAP, Cli
 
 PROBE = Path(__file__).parents[1] / "support" / "iouring_probe.py"

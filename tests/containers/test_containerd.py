@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.containers import CheckpointParts, ContainerdRuntime, load_parts
-from gpusnap.daemon.containers.openfiles import recorded_sizes
+from gpusnap.daemon.host.openfiles import recorded_sizes
 from tests.containers.conftest import STEPS_DEFAULT as STEPS
 from tests.containers.conftest import (
     genloop_spec_for,

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.cache_config import CacheSection
-from gpusnap.daemon.config import parse_config
+from gpusnap.daemon.config.file import CacheSection, parse_config
 from tests.support.config_errors import STORE, config_error
 
 

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.compat import POLICY, NodeFacts, check_compat
-from gpusnap.daemon.config import EngineSpec, ModelSpec, WorkloadConfig
-from gpusnap.daemon.stamp import gpusnap_stamp, host_stamp
+from gpusnap.daemon.config.file import EngineSpec, ModelSpec, WorkloadConfig
+from gpusnap.daemon.gate.compat import POLICY, NodeFacts, check_compat
+from gpusnap.daemon.gate.stamp import gpusnap_stamp, host_stamp
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
 ROW = re.compile(r"^\| `([^`]+)` \| (.+?) \| (.+) \|$")

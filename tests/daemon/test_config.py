@@ -9,7 +9,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from gpusnap.daemon.config import load_config, parse_config
+from gpusnap.daemon.config.file import load_config, parse_config
 from gpusnap.errors import InvalidArgument
 from gpusnap.storage import generate_encryption_key, generate_signing_key
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.config import parse_config
+from gpusnap.daemon.config.file import parse_config
 from gpusnap.daemon.containers import PodmanRuntime, RuntimeSet
 from tests.support.config_errors import STORE, config_error
 

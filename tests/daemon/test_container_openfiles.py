@@ -1,7 +1,7 @@
-"""``daemon/containers/openfiles.py`` on real files: CRIU images written field by field as
-criu/images/{fdinfo,regfile,mnt}.proto lay them out, and real tars of a rw layer. What the
-restore of a container does with them through real runtimes is in tests/containers
-(``test_daemon_podman.py``, ``test_runc.py``); these pin each rule."""
+"""``daemon/host/openfiles.py`` and ``daemon/containers/openfiles.py`` on real files: CRIU
+images written field by field as criu/images/{fdinfo,regfile,mnt}.proto lay them out, and real
+tars of a rw layer. What the restore of a container does with them through real runtimes is in
+tests/containers (``test_daemon_podman.py``, ``test_runc.py``); these pin each rule."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.containers.criuimg import COMMON_MAGIC
-from gpusnap.daemon.containers.openfiles import fit_tar, fit_tree, recorded_sizes
+from gpusnap.daemon.containers.openfiles import fit_tar
+from gpusnap.daemon.host.criuimg import COMMON_MAGIC
+from gpusnap.daemon.host.openfiles import fit_tree, recorded_sizes
 from gpusnap.errors import Corrupt
 
 FILES_MAGIC = 0x56303138

@@ -5,14 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpusnap.daemon.container_stamp import (
-    container_gate,
-    container_stamp,
-    devices_stamp,
-    recorded_container,
-    recorded_ns_pids,
-    remap_gpu_stamp,
-)
 from gpusnap.daemon.containers import (
     CheckpointParts,
     ContainerInfo,
@@ -21,6 +13,14 @@ from gpusnap.daemon.containers import (
     Mount,
     RuntimeSet,
     Ulimit,
+)
+from gpusnap.daemon.gate.container_stamp import (
+    container_gate,
+    container_stamp,
+    devices_stamp,
+    recorded_container,
+    recorded_ns_pids,
+    remap_gpu_stamp,
 )
 
 INFO = ContainerInfo(

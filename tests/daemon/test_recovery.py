@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.config import parse_config
+from gpusnap.daemon.config.file import parse_config
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase
 from gpusnap.daemon.jobs.journal import INTERRUPTED_MESSAGE, Journal
-from gpusnap.daemon.recovery import DUMP_RECORD, record_dump
+from gpusnap.daemon.pipelines.recovery import DUMP_RECORD, record_dump
 from gpusnap.daemon.service import DaemonService
 from gpusnap.storage import generate_signing_key, open_store
 

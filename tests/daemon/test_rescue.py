@@ -13,8 +13,8 @@ from typing import Any, cast
 
 import pytest
 
-from gpusnap.daemon.rescue import Rescue
-from gpusnap.daemon.statedir import StateDirs
+from gpusnap.daemon.infra.statedir import StateDirs
+from gpusnap.daemon.pipelines.rescue import Rescue
 from gpusnap.errors import Unsupported
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.statedir import LOCK_NAME, StateDirLock
+from gpusnap.daemon.infra.statedir import LOCK_NAME, StateDirLock
 from gpusnap.errors import FailedPrecondition, InvalidArgument
 from tests.support.mounts import tmpfs
 
@@ -18,7 +18,7 @@ from tests.support.mounts import tmpfs
 _OTHER = """
 import sys
 from pathlib import Path
-from gpusnap.daemon.statedir import StateDirLock
+from gpusnap.daemon.infra.statedir import StateDirLock
 from gpusnap.errors import GpusnapError
 try:
     StateDirLock.acquire(Path(sys.argv[1]), Path(sys.argv[2]) if sys.argv[2] else None)

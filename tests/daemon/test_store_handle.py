@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.config import Config, parse_config
-from gpusnap.daemon.node import StoreHandle
+from gpusnap.daemon.config.file import Config, parse_config
+from gpusnap.daemon.node.node import StoreHandle
 from gpusnap.storage import generate_signing_key, open_store
 
 
@@ -54,7 +54,7 @@ def test_a_cache_that_cannot_be_opened_leaves_the_store_working_without_one(
     shared.chmod(0o777)  # anyone may write into it: the daemon (root) must not use it
     handle = StoreHandle(_config(tmp_path, {"dir": str(shared)}))
     try:
-        with caplog.at_level(logging.WARNING, logger="gpusnap.daemon.node"):
+        with caplog.at_level(logging.WARNING, logger="gpusnap.daemon.node.node"):
             store = handle.get()
         assert store.cache is None and handle.cache is None
         assert handle.cache_error is not None and str(shared) in handle.cache_error

@@ -1,4 +1,4 @@
-"""The background store check (``daemon/storecheck.py``) over a real ``file://`` store: what a
+"""The background store check (``daemon/node/storecheck.py``) over a real ``file://`` store: what a
 check finds and names, what survives a restart, the schedule's priority and its retries, and
 ``[store] check_interval`` in the config. Through the real daemon: tests/e2e/test_store_check.py.
 """
@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from gpusnap.cli.daemon_cmds import _store_check_lines
-from gpusnap.daemon.checkpoint import full_push_reason
-from gpusnap.daemon.config import DEFAULT_CHECK_INTERVAL, Config, parse_config
+from gpusnap.daemon.config.file import DEFAULT_CHECK_INTERVAL, Config, parse_config
+from gpusnap.daemon.infra.metrics import MetricsRegistry
 from gpusnap.daemon.jobs.executor import JobContext, JobExecutor
 from gpusnap.daemon.jobs.job import JobKind
 from gpusnap.daemon.jobs.journal import Journal
-from gpusnap.daemon.metrics import MetricsRegistry
-from gpusnap.daemon.node import StoreHandle
-from gpusnap.daemon.storecheck import CheckSummary, StoreChecker, summarize
+from gpusnap.daemon.node.node import StoreHandle
+from gpusnap.daemon.node.storecheck import CheckSummary, StoreChecker, summarize
+from gpusnap.daemon.pipelines.checkpoint import full_push_reason
 from gpusnap.errors import InvalidArgument
 from gpusnap.storage import ManifestSummary, StoreCheck, generate_signing_key, open_store
 from gpusnap.storage.layout import chunk_key
@@ -121,7 +121,7 @@ def test_a_check_names_each_damaged_checkpoint_its_workload_and_flags_a_damaged_
     assert "gpusnap_store_missing_chunks 0\n" in metrics.render()
 
     scene.lose_a_chunk()
-    caplog.set_level(logging.INFO, logger="gpusnap.daemon.storecheck")
+    caplog.set_level(logging.INFO, logger="gpusnap.daemon.node.storecheck")
     found = checker.check_now()
 
     by_id = {d.checkpoint_id: d for d in found.damaged}
@@ -204,7 +204,7 @@ def test_a_state_file_of_another_store_or_not_the_daemons_is_ignored(
     assert scene.checker(handle).status()["last_check_at"] is None
     for bad in ("{not json", json.dumps({**kept, "full_next": {"svc": 3}}), "[]"):
         scene.state_file.write_text(bad)
-        with caplog.at_level(logging.WARNING, logger="gpusnap.daemon.storecheck"):
+        with caplog.at_level(logging.WARNING, logger="gpusnap.daemon.node.storecheck"):
             checker = scene.checker(handle)
         assert checker.full_reason("svc") is None and checker.status()["last_check_at"] is None
         assert "ignoring" in caplog.text
@@ -281,7 +281,7 @@ def test_the_schedule_runs_at_nice_19_and_retries_a_store_it_cannot_reach(
         store_url="s3://bucket/p",
         metrics=metrics,
     )
-    caplog.set_level(logging.WARNING, logger="gpusnap.daemon.storecheck")
+    caplog.set_level(logging.WARNING, logger="gpusnap.daemon.node.storecheck")
     checker.start()
     try:
         _until(

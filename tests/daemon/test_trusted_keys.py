@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.config import load_config, parse_config
+from gpusnap.daemon.config.file import load_config, parse_config
 from gpusnap.daemon.service import DaemonService
 from gpusnap.errors import EXIT_INTEGRITY, Corrupt, InvalidArgument, exit_code_for
 from gpusnap.storage import export_public_key, generate_signing_key, open_store

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.config import Config, parse_config
+from gpusnap.daemon.config.file import Config, parse_config
 from gpusnap.daemon.gpu import GpuCoordinator
 from gpusnap.errors import InvalidArgument
 from tests.e2e.conftest import started  # noqa: F401 - fixture

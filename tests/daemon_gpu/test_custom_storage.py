@@ -1,8 +1,8 @@
 """Custom storage: device memory copied by the daemon into a real file:// store, and back.
 
 The GPU layer copies through the sink and source the checkpoint and restore bodies build from
-the store (``daemon/gpu_memory.py``); these tests build them the same way. The device memory
-is the fake driver's, in real CUDA processes whose allocations hold known bytes: their digest
+the store (``daemon/pipelines/gpu_memory.py``); these tests build them the same way. The device
+memory is the fake driver's, in real CUDA processes whose allocations hold known bytes: their digest
 after a restore proves every byte came back.
 """
 
@@ -22,7 +22,7 @@ import pytest
 
 from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
 from gpusnap.daemon.gpu.ring import HostRing
-from gpusnap.daemon.gpu_memory import MemoryUploads, committed_source
+from gpusnap.daemon.pipelines.gpu_memory import MemoryUploads, committed_source
 from gpusnap.errors import DeadlineExceeded, FailedPrecondition
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.streams import GPU_MEMORY_KIND, stream_kinds
@@ -284,4 +284,9 @@ def test_the_gpu_layer_loads_without_the_store() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     loaded = [n for n in ast.literal_eval(out) if not n.startswith("gpusnap.daemon.gpu")]
-    assert loaded == ["gpusnap.daemon", "gpusnap.daemon.verdict", "gpusnap.errors"]
+    assert loaded == [
+        "gpusnap.daemon",
+        "gpusnap.daemon.gate",
+        "gpusnap.daemon.gate.verdict",
+        "gpusnap.errors",
+    ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon.config import GpuSection
+from gpusnap.daemon.config.file import GpuSection
 from tests.daemon_gpu.conftest import config_error, parse_with
 
 

@@ -1,4 +1,4 @@
-"""Per-workload hooks (``daemon/hooks.py``): what the config takes, and how a hook runs."""
+"""Per-workload hooks (``daemon/pipelines/hooks.py``): what the config takes, how a hook runs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.hooks import JobHooks, run_hook
-from gpusnap.daemon.hooks_config import Hook, WorkloadHooks
+from gpusnap.daemon.config.hooks import Hook, WorkloadHooks
 from gpusnap.daemon.host import proctree
+from gpusnap.daemon.pipelines.hooks import JobHooks, run_hook
 from gpusnap.errors import FailedPrecondition
 from tests.daemon_gpu.conftest import config_error, parse_with
 from tests.fakes.libcuda import wait_for

@@ -69,7 +69,7 @@ def test_the_daemonset_runs_gpusnapd_with_what_it_needs_on_gpu_nodes() -> None:
 
 
 def test_the_shipped_config_is_a_config_gpusnapd_accepts() -> None:
-    from gpusnap.daemon.config import parse_config  # noqa: PLC0415
+    from gpusnap.daemon.config.file import parse_config  # noqa: PLC0415
 
     cm = next(d for p in MANIFESTS for d in _docs(p) if d["kind"] == "ConfigMap")
     data = tomllib.loads(cm["data"]["gpusnapd.toml"])

@@ -205,7 +205,7 @@ def test_an_unreachable_store_fails_the_check_loudly_and_the_next_one_succeeds(
             node,
         )
         assert failed["last_check_at"] >= good["last_check_at"]  # the last good one stays
-        assert "WARNING gpusnap.daemon.storecheck: store check failed: " in (
+        assert "WARNING gpusnap.daemon.node.storecheck: store check failed: " in (
             node.log_path.read_text()
         )
         # The daemon serves on: status, jobs, and the store's own error for what needs it.

@@ -38,13 +38,13 @@ rm -rf "$WORK" && mkdir -p "$WORK" "$OUT_DIR" || exit 1
 
 say() { echo "device-check: $*"; }
 
-# The package imports through src/gpusnap/<room> -> ../../<room> links; a copy of the tree
+# The package imports through src/gpusnap/<package> -> ../../<package> links; a copy of the tree
 # that dropped links (an archive, a file sync) has none: make them again.
 relink() {
-  local room
-  for room in cli daemon proto storage; do
-    if [ ! -e "src/gpusnap/$room" ] && [ -d "$room" ]; then
-      ln -sfn "../../$room" "src/gpusnap/$room" && say "relinked src/gpusnap/$room -> ../../$room"
+  local pkg
+  for pkg in cli daemon proto storage; do
+    if [ ! -e "src/gpusnap/$pkg" ] && [ -d "$pkg" ]; then
+      ln -sfn "../../$pkg" "src/gpusnap/$pkg" && say "relinked src/gpusnap/$pkg -> ../../$pkg"
     fi
   done
 }

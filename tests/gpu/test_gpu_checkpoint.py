@@ -239,7 +239,7 @@ def test_custom_storage_leave_running_through_a_store(
     """Device memory copied by the daemon into a file:// store and back (CUDA 13.4 drivers)."""
     if not coordinator.capabilities()["custom_storage"]:
         pytest.skip(f"driver has no custom storage: {coordinator.capabilities()['message']}")
-    from gpusnap.daemon.gpu_memory import MemoryUploads  # noqa: PLC0415
+    from gpusnap.daemon.pipelines.gpu_memory import MemoryUploads  # noqa: PLC0415
     from gpusnap.storage import generate_signing_key, open_store  # noqa: PLC0415
 
     key = tmp_path / "sign.pem"

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Unpack
 
+from gpusnap.daemon.gate.verdict import CompatVerdict
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState
 from gpusnap.daemon.reclaim.node import CheckpointOrder, StoreAccess
-from gpusnap.daemon.verdict import CompatVerdict
 from gpusnap.errors import FailedPrecondition, Unavailable, Unsupported
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore

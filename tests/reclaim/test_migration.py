@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gpusnap.daemon.gate.verdict import CompatVerdict, Reason
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState
 from gpusnap.daemon.reclaim.board import (
     MigrationBoard,
@@ -22,7 +23,6 @@ from gpusnap.daemon.reclaim.board import (
     StoreRecords,
 )
 from gpusnap.daemon.reclaim.standby import RestoreRun, StandbyLoop
-from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import Corrupt, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from gpusnap.storage import CheckpointStore
-from gpusnap.storage.backend import Backend, BackendOptions, open_backend
+from gpusnap.storage.backend import Backend, BackendOptions
+from gpusnap.storage.open import open_backend
 from tests.storage.store_helpers import Keys, file_store, make_keys
 from tests.support.moto_server import TEST_REGION, MotoServer
 

@@ -13,10 +13,10 @@ from gpusnap.errors import AlreadyExists, FailedPrecondition, InvalidArgument, N
 from gpusnap.storage.backend import (
     Backend,
     ObjectInfo,
-    open_backend,
     registered_schemes,
 )
 from gpusnap.storage.layout import TEMP_PREFIX
+from gpusnap.storage.open import open_backend
 from tests.storage.conftest import MULTIPART_CHUNKSIZE, StoreUnderTest, fast_options
 from tests.support.moto_server import MotoServer
 

@@ -15,9 +15,10 @@ from gpusnap.errors import (
     NotFound,
     Unavailable,
 )
-from gpusnap.storage.backend import Backend, ObjectInfo, backend_factory, open_backend
+from gpusnap.storage.backend import Backend, ObjectInfo, backend_factory
 from gpusnap.storage.file_backend import FileBackend
 from gpusnap.storage.layout import TEMP_PREFIX
+from gpusnap.storage.open import open_backend
 from gpusnap.storage.passthrough import PassThroughBackend
 from gpusnap.storage.retry import RetryingBackend
 from tests.storage.conftest import fast_options

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from gpusnap.errors import InvalidArgument
-from gpusnap.storage.backend import open_backend, release_space_reserve, restore_space_reserve
+from gpusnap.storage.backend import release_space_reserve, restore_space_reserve
 from gpusnap.storage.file_backend import RESERVE_BYTES
 from gpusnap.storage.layout import RESERVE_NAME
+from gpusnap.storage.open import open_backend
 from tests.cli._cli import Cli, make_cli, write_tree
 from tests.storage.conftest import StoreUnderTest, fast_options
 from tests.storage.store_helpers import MiB, mounted_tmpfs

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.config import parse_config
+from gpusnap.daemon.config.file import parse_config
 from gpusnap.errors import InvalidArgument
 
 # What every config needs unless it turns verification off; parse_config does not read it.

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.daemon import sdnotify
-from gpusnap.daemon.sdnotify import LoopHealth, Notifier, Watchdog, watchdog_interval
+from gpusnap.daemon.infra import sdnotify
+from gpusnap.daemon.infra.sdnotify import LoopHealth, Notifier, Watchdog, watchdog_interval
 
 RECV_TIMEOUT_S = 10.0  # generous: only bounds a hang, never measures anything
 

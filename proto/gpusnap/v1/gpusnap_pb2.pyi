@@ -893,7 +893,7 @@ Global___DaemonStatus: _TypeAlias = DaemonStatus  # noqa: Y015
 @_typing.final
 class StoreCheckStatus(_message.Message):
     """What the daemon's background check that every chunk the store's checkpoints name is in the
-    store found (daemon/storecheck.py; docs/operations.md, "The background store check").
+    store found (daemon/node/storecheck.py; docs/operations.md, "The background store check").
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1155,7 +1155,7 @@ class TriggersStatusResponse(_message.Message):
     @_builtins.property
     def triggers(self) -> _struct_pb2.Struct:
         """The reclaim side's state (watchers, policy, logind, standby): still free-form, its shape
-        is the reclaim room's (daemon/, docs/triggers.md); a typed message is to come.
+        is the reclaim package's (daemon/reclaim/, docs/triggers.md); a typed message is to come.
         """
 
     def __init__(

@@ -6,8 +6,8 @@ and cold starts' logs under ``logs``, images a failed rescue could not restore u
 
 One gpusnapd per state dir.
 A daemon's start cleans up after a crash — the journal marks unfinished jobs interrupted, what
-they left in staging is settled (``recovery.py``: a kill-mode dump's complete images restored
-or kept) and the rest deleted. Done by a second daemon started on the same config while the
+they left in staging is settled (``pipelines/recovery.py``: a kill-mode dump's complete images
+restored or kept) and the rest deleted. Done by a second daemon started on the same config while the
 first still runs, that cleanup would take the first daemon's in-flight images (for a kill-mode
 checkpoint, the only copy of the workload). So before anything else is touched the daemon takes
 an exclusive ``flock`` on ``<state_dir>/gpusnapd.lock`` (which records its pid; and on the

@@ -1,8 +1,9 @@
 """The compatibility gate's vocabulary: one ``Reason`` per mismatch, and the ``CompatVerdict``.
 
-Made by the host rules (``daemon/compat.py``) and the GPU rules (``daemon/gpu/compat.py``);
-shown by ``gpusnap compat`` and recorded by a cold start. Imports nothing, so every room may
-use it (the GPU layer included, which must not reach the store through it).
+Made by the host rules (``daemon/gate/compat.py``) and the GPU rules (``daemon/gpu/compat.py``);
+shown by ``gpusnap compat`` and recorded by a cold start. Imports nothing, so every package
+below the gate may use it too (the GPU layer's rules answer in it; the GPU layer must not reach
+the store through it).
 """
 
 from __future__ import annotations

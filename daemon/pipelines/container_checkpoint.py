@@ -2,7 +2,7 @@
 
 Look at the container -> GPU freeze of its CUDA processes by their host pids -> the runtime's
 own checkpoint into staging, as parts (``daemon/containers/``) -> (leave-running: GPU thaw; the
-pause ends here) -> stamp (``container_stamp.py``) -> push the parts directory to the store,
+pause ends here) -> stamp (``gate/container_stamp.py``) -> push the parts directory to the store,
 each file chunked, so a second checkpoint uploads only what changed and the image is never
 uploaded (the stamp pins its digest) -> clean staging. As for a process tree
 (``checkpoint.py``), the store is asked for the parent first, a kill-mode checkpoint whose
@@ -21,17 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gpusnap.daemon.checkpoint import (
-    after_dump,
-    freeze_gpu,
-    full_push_reason,
-    record_commit,
-    thawed_on_failure,
-    upload_during_dump,
-)
-from gpusnap.daemon.config import Config, WorkloadConfig
-from gpusnap.daemon.container_stamp import container_stamp, remap_gpu_stamp
-from gpusnap.daemon.container_upload import PartsStreamer, merged
+from gpusnap.daemon.config.file import Config, WorkloadConfig
 from gpusnap.daemon.containers import (
     Arrivals,
     CheckpointParts,
@@ -40,17 +30,26 @@ from gpusnap.daemon.containers import (
     Mount,
     RuntimeSet,
     load_parts,
-    ns_pids,
 )
+from gpusnap.daemon.gate.container_stamp import container_stamp, remap_gpu_stamp
+from gpusnap.daemon.gate.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.gpu.adapter import Freeze
-from gpusnap.daemon.gpu_memory import MemoryUploads
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.files import watched_files
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
-from gpusnap.daemon.node import Node
-from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
-from gpusnap.daemon.storecheck import StoreChecker
+from gpusnap.daemon.node.node import Node
+from gpusnap.daemon.node.storecheck import StoreChecker
+from gpusnap.daemon.pipelines.checkpoint import (
+    after_dump,
+    freeze_gpu,
+    full_push_reason,
+    record_commit,
+    thawed_on_failure,
+    upload_during_dump,
+)
+from gpusnap.daemon.pipelines.container_upload import PartsStreamer, merged
+from gpusnap.daemon.pipelines.gpu_memory import MemoryUploads
 from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, with_message
 from gpusnap.storage.manifest import check_workload
 
@@ -143,7 +142,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
         raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
     pids = list(info.pids)
     tree = proctree.process_tree(pids[0])
-    ns = ns_pids(pids)
+    ns = proctree.ns_pids(pids)
     watched = _host_files(watched_files(pids), info.spec.mounts)
     engine, model = identity_stamp(plan.config, None)
     host = node.host.get()
@@ -297,7 +296,7 @@ def _rescue(
     if not freeze.cuda_pids:
         return done
     try:
-        gpu = remap_gpu_stamp(stamp["gpu"], before, ns_pids(restored.pids))
+        gpu = remap_gpu_stamp(stamp["gpu"], before, proctree.ns_pids(restored.pids))
         source = gpu_memory.source if gpu_memory.uploaded is not None else None
         node.gpu.restore(list(restored.pids), gpu, source=source)
     except GpusnapError as err:

@@ -1,7 +1,7 @@
 """This node, as the job bodies see it: ``Node`` holds the parts a checkpoint or restore uses.
 
-The service builds one ``Node`` at start and hands it to every job body (``checkpoint.py``,
-``restore.py``, ``rescue.py``); a body never sees the service, so nothing calls back into it.
+The service builds one ``Node`` at start and hands it to every job body (``pipelines/``); a
+body never sees the service, so nothing calls back into it.
 A ``Node`` holds: the config, CRIU, GPU support, the store (opened lazily), the state
 directories, this host's facts, the reaper that adopts what a job restores or starts, and the
 container runtimes. It also answers the compatibility gate for a manifest (host, GPU and
@@ -16,16 +16,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpusnap.daemon.compat import NodeFacts, check_compat
-from gpusnap.daemon.config import Config
-from gpusnap.daemon.container_stamp import container_gate
+from gpusnap.daemon.config.file import Config
 from gpusnap.daemon.containers import RuntimeSet
+from gpusnap.daemon.gate.compat import NodeFacts, check_compat
+from gpusnap.daemon.gate.container_stamp import container_gate
+from gpusnap.daemon.gate.stamp import gpusnap_stamp, host_stamp
+from gpusnap.daemon.gate.verdict import Reason
 from gpusnap.daemon.gpu.adapter import GpuAdapter
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.daemon.host.reaper import Reaper
-from gpusnap.daemon.stamp import gpusnap_stamp, host_stamp
-from gpusnap.daemon.statedir import StateDirs
-from gpusnap.daemon.verdict import Reason
+from gpusnap.daemon.infra.statedir import StateDirs
 from gpusnap.errors import FailedPrecondition, GpusnapError
 from gpusnap.storage import CheckpointStore, ChunkCache, Manifest, open_store
 

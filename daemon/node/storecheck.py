@@ -9,7 +9,7 @@ should be able to take it for the whole store.
 
 What a check finds goes to
 - the log: one error line per damaged checkpoint (its id, workload and missing chunks);
-- the metrics (``daemon/metrics.py``) and ``gpusnap status`` (``store_check``);
+- the metrics (``daemon/infra/metrics.py``) and ``gpusnap status`` (``store_check``);
 - the next checkpoint of each workload whose **latest** checkpoint is damaged, which is a full
   one: the push uploads every chunk whatever the index says (``store push --full``), and the
   job's result says ``full: true`` and why. The flag clears when such a checkpoint commits.
@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.metrics import METRICS, MetricsRegistry, StoreCheckFigures
-from gpusnap.daemon.node import StoreHandle
+from gpusnap.daemon.infra.metrics import METRICS, MetricsRegistry, StoreCheckFigures
+from gpusnap.daemon.node.node import StoreHandle
 from gpusnap.errors import GpusnapError
 from gpusnap.storage import ManifestSummary, StoreCheck
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import gpusnap
-from gpusnap.daemon.config import WorkloadConfig
+from gpusnap.daemon.config.file import WorkloadConfig
 from gpusnap.daemon.host.target import workload_root
 from gpusnap.daemon.jobs.job import Job
-from gpusnap.daemon.node import Node
+from gpusnap.daemon.node.node import Node
 from gpusnap.errors import GpusnapError
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class DaemonFacts:
     interrupted_at_start: list[str]
     triggers: bool  # a cloud watcher runs (a notice can come)
     trigger_provider: str = "none"  # which: "aws", "gcp", "azure" (comma-separated), "none"
-    store_check: dict[str, Any] | None = None  # daemon/storecheck.py:StoreChecker.status
+    store_check: dict[str, Any] | None = None  # daemon/node/storecheck.py:StoreChecker.status
 
 
 def last_checkpoints(node: Node) -> tuple[dict[str, dict[str, Any]], str | None]:

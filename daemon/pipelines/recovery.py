@@ -46,8 +46,8 @@ from gpusnap.daemon.host.criu_run import RunRecord
 from gpusnap.daemon.host.target import workload_root
 from gpusnap.daemon.jobs.job import JOB_ID, Job, JobKind, JobState, Phase
 from gpusnap.daemon.jobs.journal import Journal
-from gpusnap.daemon.node import Node
-from gpusnap.daemon.rescue import Rescue
+from gpusnap.daemon.node.node import Node
+from gpusnap.daemon.pipelines.rescue import Rescue
 from gpusnap.errors import GpusnapError
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.daemon.config import WorkloadConfig
-from gpusnap.daemon.stamp import ENGINE_PACKAGES
-from gpusnap.daemon.verdict import Reason
+from gpusnap.daemon.config.file import WorkloadConfig
+from gpusnap.daemon.gate.stamp import ENGINE_PACKAGES
+from gpusnap.daemon.gate.verdict import Reason
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ workload's engine and model (declared in config or probed from the process), the
 process had open or mapped, the launch spec for a cold start, the process tree, and (from the
 GPU layer) the GPUs and driver. Each engine/model field records its ``source``: ``config``,
 ``probed`` or ``none``. ``checkpoint_stamp`` is its schema; the gate that judges it on restore
-is ``daemon/compat.py``.
+is ``daemon/gate/compat.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gpusnap
-from gpusnap.daemon.config import WorkloadConfig
+from gpusnap.daemon.config.file import WorkloadConfig
 from gpusnap.daemon.host.proctree import ProcessInfo
 from gpusnap.storage.manifest import SCHEMA_VERSION
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.config_table import Table
+from gpusnap.daemon.config.table import Table
 from gpusnap.daemon.containers.podman import MAX_RUNROOT
 from gpusnap.daemon.containers.runtimes import RUNTIMES, open_runtime
 from gpusnap.errors import InvalidArgument

@@ -1,4 +1,4 @@
-"""The body of a checkpoint job: the steps of DESIGN.md, in order.
+"""The body of a process tree's checkpoint job, its steps in order.
 
 Look at the tree -> GPU freeze -> CRIU dump into staging -> (leave-running: GPU thaw; the
 pause ends here) -> stamp -> push to the store (manifest last) -> clean staging.
@@ -7,7 +7,7 @@ The store is asked for the workload's latest checkpoint (the parent) *before* th
 unreachable store fails the job while the workload is still untouched. If the upload of a
 kill-mode dump fails, the workload is restored on this node from the local images — its GPU
 state too — so a failed checkpoint never loses it (``rescue.py``). A workload whose latest
-checkpoint the store check found damaged gets a full push (``storecheck.py``).
+checkpoint the store check found damaged gets a full push (``node/storecheck.py``).
 
 The body sees the node (``node.Node``) and its job (``JobContext``), never the service.
 """
@@ -22,24 +22,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpusnap.daemon import progress
-from gpusnap.daemon.config import WorkloadConfig
+from gpusnap.daemon.config.file import WorkloadConfig
+from gpusnap.daemon.gate.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.gpu.adapter import Freeze
-from gpusnap.daemon.gpu_memory import MemoryUploads
-from gpusnap.daemon.gpu_tree import nccl_by_pid, with_processes
-from gpusnap.daemon.hooks import JobHooks
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.criu import remove_logs
 from gpusnap.daemon.host.files import watched_files
 from gpusnap.daemon.host.pagestream import PageStreamer
+from gpusnap.daemon.infra.metrics import METRICS
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
-from gpusnap.daemon.metrics import METRICS
-from gpusnap.daemon.node import Node
-from gpusnap.daemon.recovery import record_dump
-from gpusnap.daemon.rescue import Rescue
-from gpusnap.daemon.stamp import checkpoint_stamp, file_entry, identity_stamp
-from gpusnap.daemon.storecheck import StoreChecker
+from gpusnap.daemon.node.node import Node
+from gpusnap.daemon.node.storecheck import StoreChecker
+from gpusnap.daemon.pipelines import progress
+from gpusnap.daemon.pipelines.gpu_memory import MemoryUploads
+from gpusnap.daemon.pipelines.gpu_tree import nccl_by_pid, with_processes
+from gpusnap.daemon.pipelines.hooks import JobHooks
+from gpusnap.daemon.pipelines.recovery import record_dump
+from gpusnap.daemon.pipelines.rescue import Rescue
 from gpusnap.errors import GpusnapError, with_message
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.push import PushResult

@@ -16,16 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.container_stamp import recorded_container, recorded_ns_pids, remap_gpu_stamp
-from gpusnap.daemon.containers import ContainerInfo, ContainerRuntime, load_parts, ns_pids
+from gpusnap.daemon.containers import ContainerInfo, ContainerRuntime, load_parts
 from gpusnap.daemon.containers.openfiles import log_fitted
-from gpusnap.daemon.gpu_memory import committed_source
-from gpusnap.daemon.host import coldstart
+from gpusnap.daemon.gate.container_stamp import (
+    recorded_container,
+    recorded_ns_pids,
+    remap_gpu_stamp,
+)
+from gpusnap.daemon.gate.verdict import Reason
+from gpusnap.daemon.host import coldstart, proctree
+from gpusnap.daemon.infra.metrics import METRICS
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
-from gpusnap.daemon.metrics import METRICS
-from gpusnap.daemon.node import Node
-from gpusnap.daemon.verdict import Reason
+from gpusnap.daemon.node.node import Node
+from gpusnap.daemon.pipelines.gpu_memory import committed_source
 from gpusnap.errors import AlreadyExists, Corrupt, GpusnapError, NotFound, with_message
 from gpusnap.storage import CheckpointStore, Manifest
 from gpusnap.storage.pull import PullResult, PullStats
@@ -125,7 +129,7 @@ def run_container_restore(
             remap_gpu_stamp(
                 gpu_stamp if isinstance(gpu_stamp, dict) else {},
                 recorded_ns_pids(stamp),
-                ns_pids(info.pids),
+                proctree.ns_pids(info.pids),
             ),
             store,
             manifest,

@@ -40,12 +40,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpusnap.daemon.hooks_config import Hook, WorkloadHooks
+from gpusnap.daemon.config.hooks import Hook, WorkloadHooks
 from gpusnap.daemon.host import proctree
 from gpusnap.errors import FailedPrecondition
 
 if TYPE_CHECKING:
-    from gpusnap.daemon.config import WorkloadConfig
+    from gpusnap.daemon.config.file import WorkloadConfig
     from gpusnap.daemon.jobs.executor import JobContext
 
 log = logging.getLogger(__name__)

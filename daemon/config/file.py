@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.daemon.cache_config import CacheSection, parse_cache
-from gpusnap.daemon.config_table import Table
-from gpusnap.daemon.container_config import ContainersSection, parse_containers
+from gpusnap.daemon.config.containers import ContainersSection, parse_containers
+from gpusnap.daemon.config.hooks import WorkloadHooks, parse_hooks
+from gpusnap.daemon.config.table import Table
 from gpusnap.daemon.containers.runtimes import RUNTIMES
-from gpusnap.daemon.hooks_config import WorkloadHooks, parse_hooks
+from gpusnap.daemon.host.coldstart import StartSpec
 from gpusnap.daemon.reclaim.config import (
     POLICY_KEYS,
     MigrationConfig,
@@ -91,7 +91,7 @@ class StoreSection:
     # its own key's: other nodes', and retired keys whose checkpoints must still restore.
     trusted_keys: tuple[Path, ...] = ()
     # Seconds between background checks that every chunk the store's checkpoints name is
-    # there (daemon/storecheck.py); 0: off.
+    # there (daemon/node/storecheck.py); 0: off.
     check_interval: float = DEFAULT_CHECK_INTERVAL
 
 
@@ -113,19 +113,6 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class StartSpec:
-    """``[[workload]] start = { command, cwd, env, user, checkpoint_ready }``: how a cold start
-    runs the workload fresh where its checkpoint does not fit this node (``host/coldstart.py``)."""
-
-    command: tuple[str, ...]
-    cwd: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    user: str | None = None
-    # io_uring off for the started tree (gpusnap/seccomp.py), as `gpusnap exec` does.
-    checkpoint_ready: bool = True
-
-
-@dataclass(frozen=True)
 class WorkloadConfig:
     name: str
     pid_file: Path | None = None
@@ -138,7 +125,7 @@ class WorkloadConfig:
     # The trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), as
     # gpusnap.daemon.reclaim.config reads them; None: the defaults.
     policy: WorkloadPolicy | None = None
-    hooks: WorkloadHooks | None = None  # commands around a checkpoint and a restore (hooks.py)
+    hooks: WorkloadHooks | None = None  # commands around a checkpoint and a restore
     container: str | None = None  # a container workload: its name or id (docs/containers.md)
     runtime: str | None = None  # its runtime; None: detected ([containers] detect)
 
@@ -155,6 +142,20 @@ class GpuSection:
 @dataclass(frozen=True)
 class MetricsSection:
     listen: str | None = None  # host:port; None = off
+
+
+@dataclass(frozen=True)
+class CacheSection:
+    """The node's chunk cache (``storage/cache``): every pull on the node reads it first, the
+    daemon's own checkpoints seed it, a standby prefetches into it."""
+
+    enabled: bool = True
+    dir: Path | None = None  # default: <state_dir>/cache
+    max_bytes: int | None = None  # default: the budget recorded there, else 1/4 of its disk
+    seed: bool = True  # the daemon's own checkpoints leave their chunks in it
+
+    def directory(self, state_dir: Path) -> Path:
+        return self.dir or (state_dir / "cache")
 
 
 @dataclass(frozen=True)
@@ -475,6 +476,24 @@ def _parse_gpu(t: Table) -> GpuSection:
 
 def _parse_metrics(t: Table) -> MetricsSection:
     section = MetricsSection(listen=t.host_port("listen"))
+    t.done()
+    return section
+
+
+def parse_cache(t: Table) -> CacheSection:
+    """``[cache]`` -> ``CacheSection``; an unknown key or a wrong type is ``InvalidArgument``."""
+    d = CacheSection()
+    # Read in the table's documented order, so that of two bad keys the first is named.
+    enabled = t.boolean("enabled")
+    directory = t.path("dir")
+    max_bytes = t.integer("max_bytes", minimum=1)
+    seed = t.boolean("seed")
+    section = CacheSection(
+        enabled=d.enabled if enabled is None else enabled,
+        dir=directory,
+        max_bytes=max_bytes,
+        seed=d.seed if seed is None else seed,
+    )
     t.done()
     return section
 

@@ -19,7 +19,7 @@ from typing import Any
 from gpusnap.daemon.gpu.adapter import Freeze
 from gpusnap.daemon.host import scopes
 from gpusnap.daemon.host.criu import systemd_running
-from gpusnap.daemon.node import Node
+from gpusnap.daemon.node.node import Node
 from gpusnap.errors import GpusnapError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The body of a restore job: the steps of DESIGN.md, in order.
+"""The body of a process tree's restore job, its steps in order.
 
 Authenticated manifest -> compatibility gate -> on any reason, cold start with every reason;
 else pull into staging -> CRIU restore detached -> GPU restore -> report pids.
@@ -14,21 +14,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.daemon.container_restore import (
+from gpusnap.daemon.gate.container_stamp import is_container
+from gpusnap.daemon.gate.verdict import Reason
+from gpusnap.daemon.host import coldstart, proctree, scopes
+from gpusnap.daemon.host.criu import can_punch_holes, remove_logs, systemd_running
+from gpusnap.daemon.jobs.executor import JobContext
+from gpusnap.daemon.jobs.job import Phase
+from gpusnap.daemon.node.node import Node
+from gpusnap.daemon.pipelines.container_restore import (
     fetch_figures,
     pull_into_staging,
     restore_device_memory,
     run_container_restore,
 )
-from gpusnap.daemon.container_stamp import is_container
-from gpusnap.daemon.gpu_tree import give_up
-from gpusnap.daemon.hooks import JobHooks
-from gpusnap.daemon.host import coldstart, proctree, scopes
-from gpusnap.daemon.host.criu import can_punch_holes, remove_logs, systemd_running
-from gpusnap.daemon.jobs.executor import JobContext
-from gpusnap.daemon.jobs.job import Phase
-from gpusnap.daemon.node import Node
-from gpusnap.daemon.verdict import Reason
+from gpusnap.daemon.pipelines.gpu_tree import give_up
+from gpusnap.daemon.pipelines.hooks import JobHooks
 from gpusnap.errors import FailedPrecondition, GpusnapError, InvalidArgument, NotFound
 from gpusnap.storage import CheckpointStore, Manifest
 

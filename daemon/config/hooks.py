@@ -1,4 +1,5 @@
-"""Per-workload hooks as the config gives them: ``[[workload]] hooks`` (``hooks.py`` runs them).
+"""Per-workload hooks as the config gives them: ``[[workload]] hooks``
+(``pipelines/hooks.py`` runs them).
 
 Kept apart from the running so that ``config`` imports no process handling.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpusnap.daemon.config_table import Table
+from gpusnap.daemon.config.table import Table
 from gpusnap.errors import InvalidArgument
 
 HOOK_NAMES = ("pre_checkpoint", "post_thaw", "post_restore")

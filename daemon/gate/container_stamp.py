@@ -28,7 +28,7 @@ from gpusnap.daemon.containers import (
     RuntimeSet,
     container_mismatches,
 )
-from gpusnap.daemon.verdict import Reason
+from gpusnap.daemon.gate.verdict import Reason
 from gpusnap.errors import Corrupt, GpusnapError
 
 # A CDI device name: "vendor.com/class=name" (the Container Device Interface spec).

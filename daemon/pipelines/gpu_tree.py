@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from gpusnap.daemon.gate.verdict import Reason
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.nccl import nccl_of
-from gpusnap.daemon.verdict import Reason
 from gpusnap.errors import GpusnapError
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ Exposed series:
   actually sent to the store, and the logical size of what the jobs covered
 - ``gpusnap_last_checkpoint_timestamp_seconds{workload}`` and
   ``gpusnap_last_checkpoint_age_seconds{workload}`` gauges: the last good checkpoint
-- the background store check (``daemon/storecheck.py``), once one has run:
+- the background store check (``daemon/node/storecheck.py``), once one has run:
   ``gpusnap_store_missing_chunks`` and ``gpusnap_store_damaged_checkpoints`` gauges (what the
   last check found), ``gpusnap_store_last_check_timestamp_seconds`` and
   ``gpusnap_store_last_check_duration_seconds`` gauges; ``gpusnap_store_check_failures_total``
