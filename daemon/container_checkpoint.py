@@ -46,6 +46,7 @@ from gpusnap.daemon.gpu.adapter import Freeze
 from gpusnap.daemon.gpu_memory import MemoryUploads
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.files import watched_files
+from gpusnap.daemon.host.owners import tree_uids
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.node import Node
@@ -143,6 +144,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
         raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
     pids = list(info.pids)
     tree = proctree.process_tree(pids[0])
+    uids = tree_uids(p for pid in pids for p in proctree.tree_pids(pid))
     ns = ns_pids(pids)
     watched = _host_files(watched_files(pids), info.spec.mounts)
     engine, model = identity_stamp(plan.config, None)
@@ -197,6 +199,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
             launch={"container": summary},
             gpu=gpu_stamp,
             tree=tree,
+            uids=uids,
         )
         stamp["container"] = container_stamp(info, parts, ns)
         spec: dict[str, Any] = {

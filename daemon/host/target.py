@@ -9,9 +9,10 @@ daemon never finds itself.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from gpusnap.daemon.config import WorkloadConfig
-from gpusnap.daemon.host import proctree, scopes
+from gpusnap.daemon.host import owners, proctree, scopes
 from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
@@ -27,6 +28,7 @@ def workload_root(w: WorkloadConfig) -> int:
             pid_file=str(w.pid_file) if w.pid_file else None,
             systemd_unit=w.systemd_unit,
             match=w.match,
+            user=w.user,
         )
     except NotFound:
         # A restore moved a unit's tree into a scope of its own: it is the workload still.
@@ -39,6 +41,23 @@ def workload_root(w: WorkloadConfig) -> int:
         raise NotFound(f"workload {w.name} is not running (no process found)")
     check_checkpointable(pids[0], workload=w.name)
     return pids[0]
+
+
+def workload_reasons(w: WorkloadConfig) -> list[str]:
+    """Why the config's way of finding workload ``w`` would be refused, without looking for
+    its processes: a pid file gpusnapd cannot trust, a ``user`` that does not exist. Empty
+    when there is nothing to refuse (``gpusnap preflight`` shows these; the job raises them)."""
+    reasons = []
+    if w.user is not None:
+        try:
+            owners.user_uid(w.user)
+        except InvalidArgument as err:
+            reasons.append(f"workload {w.name}: user: {err}")
+    if w.pid_file is not None:
+        reasons += [
+            f"workload {w.name}: {r}" for r in owners.pid_file_reasons(Path(w.pid_file), w.user)
+        ]
+    return reasons
 
 
 def pid_root(pid: int) -> int:
