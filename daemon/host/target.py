@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpusnap.daemon.config import WorkloadConfig
 from gpusnap.daemon.host import owners, proctree, scopes
-from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 
 def workload_root(w: WorkloadConfig) -> int:
@@ -39,6 +39,11 @@ def workload_root(w: WorkloadConfig) -> int:
     pids = [p for p in pids if p != os.getpid()]
     if not pids:
         raise NotFound(f"workload {w.name} is not running (no process found)")
+    if w.user is not None:
+        # Whoever may write the pid file (the workload's user) may name only their own tree.
+        reasons = owners.tree_reasons(pids, owners.user_uid(w.user))
+        if reasons:
+            raise PermissionDenied(f"workload {w.name} (user {w.user}): {reasons[0]}")
     check_checkpointable(pids[0], workload=w.name)
     return pids[0]
 
