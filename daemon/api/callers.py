@@ -102,7 +102,8 @@ class UnixFront:
         self._listener = listener
         self._backend = str(backend)
         self._callers: dict[str, Caller] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._open = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -121,8 +122,14 @@ class UnixFront:
         return found
 
     def connections(self) -> int:
+        """Connections open now (both of their sockets not yet closed)."""
         with self._lock:
-            return len(self._callers)
+            return self._open
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until every connection's sockets are closed (True), or ``timeout`` seconds."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._open == 0, timeout)
 
     def stop_accepting(self) -> None:
         if self._thread.is_alive():
@@ -165,6 +172,8 @@ class UnixFront:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
+        with self._lock:
+            self._open += 1
         peer = ""
         upstream: asyncio.StreamWriter | None = None
         try:
@@ -193,7 +202,12 @@ class UnixFront:
             for w in (upstream, writer):
                 if w is not None:
                     w.close()
+                    with contextlib.suppress(OSError, asyncio.CancelledError):
+                        await w.wait_closed()
             self._conns.discard(task)
+            with self._lock:
+                self._open -= 1
+                self._lock.notify_all()
 
 
 async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
