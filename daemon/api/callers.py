@@ -21,6 +21,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import pwd
@@ -54,11 +55,6 @@ class Caller:
     pid: int | None = None
     cert_names: tuple[str, ...] = ()  # subject CN first, then subject alternative names
 
-    def describe(self) -> str:
-        if self.uid is not None:
-            return f"uid {self.uid} (pid {self.pid})"
-        return f"certificate {self.cert_names[0] if self.cert_names else '?'}"
-
 
 class UnknownCaller(Exception):
     """The call's connection is in no table: refuse it."""
@@ -70,7 +66,12 @@ def peer_credentials(sock: socket.socket) -> Caller:
     pid, uid, gid = struct.unpack("3i", raw)
     groups: tuple[int, ...] = ()
     try:
-        buf = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
+        try:
+            buf = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 64)
+        except OSError as exc:
+            if exc.errno != errno.ERANGE:
+                raise
+            buf = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
         groups = tuple(array.array("I", buf))
     except OSError:
         # An older kernel: the groups /etc/group gives the uid (what a login would get).
