@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ADMIN = "admin"  # the [daemon.tcp.clients] value that makes a certificate an administrator
+_JOB_OWNERS_KEPT = 10_000  # whose jobs a member may cancel: the most recent this many
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class Authorizer:
     def started(self, job_id: str, who: Principal) -> None:
         with self._lock:
             self._job_owners[job_id] = who.uid
+            if len(self._job_owners) > _JOB_OWNERS_KEPT:  # the oldest first (insertion order)
+                del self._job_owners[next(iter(self._job_owners))]
 
     def started_by(self, job_id: str, who: Principal) -> bool:
         with self._lock:
