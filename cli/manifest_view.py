@@ -10,12 +10,14 @@ and of the spec (a cold start needs it), and it holds secrets (tokens, keys): bo
 from __future__ import annotations
 
 import argparse
-import copy
 import textwrap
 from collections.abc import Iterator
 from typing import Any
 
 from gpusnap.cli._output import human_bytes, render_table, when
+from gpusnap.proto.wire import redact_env
+
+__all__ = ["ENV_NOTE", "add_show_env", "redact_env", "render_manifest"]
 
 WIDTH = 100
 ENV_NOTE = "values hidden; --show-env shows them"
@@ -28,18 +30,6 @@ def add_show_env(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show the values of the process's environment variables (they may be secrets)",
     )
-
-
-def redact_env(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``manifest`` whose launch environments (in the stamp and the spec) keep their
-    names only (values ``null``), marked ``env_hidden: true``."""
-    out = copy.deepcopy(manifest)
-    for part in ("stamp", "spec"):
-        launch = (out.get(part) or {}).get("launch")
-        if isinstance(launch, dict) and isinstance(launch.get("env"), dict):
-            launch["env"] = dict.fromkeys(sorted(launch["env"]))
-            launch["env_hidden"] = True
-    return out
 
 
 def render_manifest(m: dict[str, Any]) -> str:

@@ -21,8 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Unpack
 
+from gpusnap.daemon.api.callers import Caller
+from gpusnap.daemon.api.service_api import CheckpointArgs, DaemonServiceAPI
+from gpusnap.daemon.authz import Authorizer, CallerView
 from gpusnap.daemon.config.file import Config, WorkloadConfig
 from gpusnap.daemon.containers import RuntimeSet
 from gpusnap.daemon.gate.verdict import CompatVerdict
@@ -120,6 +123,7 @@ class DaemonService:
         )
         self.on_shutdown: list[Callable[[], None]] = []
         self.reclaim: ReclaimRuntime | None = None
+        self.authz = Authorizer(config)
         if open_store_now:
             try:
                 self.store.get()
@@ -127,6 +131,18 @@ class DaemonService:
                 log.warning(
                     "store %s is not reachable now (%s); serving anyway", config.store.url, err
                 )
+
+    # --- callers ----------------------------------------------------------------------------
+
+    def for_caller(self, caller: Caller) -> DaemonServiceAPI:
+        """The service itself for an administrator, else what ``caller`` may do of it."""
+        who = self.authz.principal(caller)
+        if who.admin:
+            return self
+        return CallerView(self, who, self.authz, store=self.store, containers=self.node.containers)
+
+    def checkpoint_as(self, run_as: int | None, **request: Unpack[CheckpointArgs]) -> Job:
+        return self.checkpoint(**request, run_as=run_as)
 
     # --- checkpoint -----------------------------------------------------------------------
 
@@ -141,8 +157,10 @@ class DaemonService:
         compress: bool | None = None,
         container: str | None = None,
         runtime: str | None = None,
+        run_as: int | None = None,
     ) -> Job:
-        """Queue a checkpoint; returns at once. ``compress`` None: the config decides."""
+        """Queue a checkpoint; returns at once. ``compress`` None: the config decides.
+        ``run_as``: the job refuses a tree with a process that does not run as this uid."""
         if [pid, workload, container].count(None) != 2:
             raise InvalidArgument("give exactly one of a pid, a workload name or a container")
         if runtime is not None and container is None:
@@ -182,6 +200,7 @@ class DaemonService:
             leave_running=leave_running,
             compress=self.config.store.compress if compress is None else compress,
             store_check=self.store_check,
+            run_as=run_as,
         )
         node = self.node
         return self._submit_checkpoint(

@@ -9,13 +9,16 @@ plain values, used by the daemon's servicers (``daemon/api/``) and the CLI's cli
 - jobs and verdicts: the daemon's objects (anything shaped as ``JobView``/``VerdictView``)
   -> messages -> the dicts the CLI prints;
 - errors: an error kind <-> a gRPC status code and the ``gpusnap-error-kind`` trailing
-  metadata, through ``gpusnap.errors.ERROR_TABLE`` and nothing else.
+  metadata, through ``gpusnap.errors.ERROR_TABLE`` and nothing else;
+- ``redact_env``: a manifest with its environments' values hidden, the one shape both the
+  daemon (for a caller who may not see them) and the CLI (without ``--show-env``) send.
 
 Imports nothing of ours but ``gpusnap.errors`` and the generated code.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -386,3 +389,15 @@ def error_from_status(
             kind = value if isinstance(value, str) else value.decode()
             return error_from_kind(kind, details)
     return None
+
+
+def redact_env(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``manifest`` whose launch environments (in the stamp and the spec) keep their
+    names only (values ``null``), marked ``env_hidden: true``."""
+    out = copy.deepcopy(dict(manifest))
+    for part in ("stamp", "spec"):
+        launch = (out.get(part) or {}).get("launch")
+        if isinstance(launch, dict) and isinstance(launch.get("env"), dict):
+            launch["env"] = dict.fromkeys(sorted(launch["env"]))
+            launch["env_hidden"] = True
+    return out

@@ -1,27 +1,34 @@
 """Where gpusnapd's API listens: the unix socket, and an optional mutual-TLS TCP listener.
 
-Access control is the socket file: ``start_server`` binds ``unix:PATH`` with mode 0660, owner
-root, group ``gpusnap``. gRPC Python does not expose the peer's ``SO_PEERCRED``, so the file
-permissions (and the 0750 runtime directory around it) are the whole check; see
-docs/operations.md. Remote access is an optional TCP listener with mutual TLS.
+The socket file is the first gate: ``start_server`` binds it with mode 0660, owner root,
+group ``gpusnap``, so only members of the group can connect at all. Behind it each call is
+authorized by its caller: gRPC Python does not expose the peer's ``SO_PEERCRED``, so the
+socket is owned by ``UnixFront`` (``daemon/api/callers.py``), which reads the credentials of
+each connection and hands it to the gRPC server on a private socket in a 0700 directory
+beside the public one. Remote access is an optional TCP listener with mutual TLS, whose
+callers are their certificates. See docs/operations.md, the authorization table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import logging
 import os
+import shutil
 import socket
 import stat
+import tempfile
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from gpusnap.daemon.api.callers import Caller, UnixFront, UnknownCaller, tls_caller
 from gpusnap.daemon.api.service_api import DaemonServiceAPI
 from gpusnap.daemon.api.servicers import add_servicers
-from gpusnap.errors import AlreadyExists, FailedPrecondition, Unavailable
+from gpusnap.errors import AlreadyExists, FailedPrecondition, PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,28 @@ class TcpListenerConfig:
     cert_file: Path  # server certificate chain (PEM)
     key_file: Path  # its private key (PEM)
     client_ca_file: Path  # CA that signs client certificates (PEM)
+
+
+@dataclass
+class ApiServer:
+    """The running API: the gRPC server and the front that owns the public socket."""
+
+    grpc_server: grpc.Server
+    front: UnixFront
+    private_dir: Path
+
+    def caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who makes this call: its certificate over TLS, else the credentials the front read
+        from its connection. ``PermissionDenied`` when neither is known."""
+        remote = tls_caller(context)
+        if remote is not None:
+            return remote
+        try:
+            return self.front.caller(context.peer())
+        except UnknownCaller:
+            raise PermissionDenied(
+                "cannot tell who is calling (not a connection through the API socket)"
+            ) from None
 
 
 # --- the socket ------------------------------------------------------------------------------
@@ -122,9 +151,10 @@ def start_server(
     socket_group: str | None = DEFAULT_SOCKET_GROUP,
     tcp: TcpListenerConfig | None = None,
     max_workers: int = 16,
-) -> grpc.Server:
+) -> ApiServer:
     """Serve ``service`` on ``unix:socket_path`` (0660, group ``socket_group``), and on a
-    mutual-TLS TCP listener when ``tcp`` is given. Returns the started server.
+    mutual-TLS TCP listener when ``tcp`` is given; each call goes to
+    ``service.for_caller(its caller)``. Returns the started server.
 
     Raises ``FailedPrecondition`` for an unsafe socket directory or a path that is not a
     socket, ``AlreadyExists`` when another process listens on the socket, and
@@ -134,26 +164,43 @@ def start_server(
     _check_socket_dir(socket_path.parent)
     _remove_stale_socket(socket_path)
 
+    private_dir = Path(tempfile.mkdtemp(prefix=".gpusnapd-api-", dir=socket_path.parent))
+    try:
+        return _start(
+            service, socket_path, socket_group, tcp=tcp, workers=max_workers, private=private_dir
+        )
+    except BaseException:
+        shutil.rmtree(private_dir, ignore_errors=True)
+        raise
+
+
+def _start(
+    service: DaemonServiceAPI,
+    socket_path: Path,
+    socket_group: str | None,
+    *,
+    tcp: TcpListenerConfig | None,
+    workers: int,
+    private: Path,
+) -> ApiServer:
+    backend = private / "grpc.sock"
+    if len(os.fsencode(str(backend))) > 107:
+        raise FailedPrecondition(
+            f"socket directory {socket_path.parent} is too long a path for the daemon's "
+            f"private socket ({backend}); use a shorter one such as /run/gpusnap"
+        )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_servicers(server, service)
-
-    # The socket is created by bind() inside gRPC with the process umask; a umask of 0117
-    # makes it 0660 from the first instant, before the chmod/chown below.
-    old_umask = os.umask(0o117)
     try:
-        server.add_insecure_port(f"unix:{socket_path}")
+        server.add_insecure_port(f"unix:{backend}")
     except RuntimeError as exc:
-        raise Unavailable(f"cannot listen on unix:{socket_path}: {exc}") from exc
-    finally:
-        os.umask(old_umask)
-    _secure_socket(socket_path, socket_group)
+        raise Unavailable(f"cannot listen on unix:{backend}: {exc}") from exc
 
     if tcp is not None:
         credentials = grpc.ssl_server_credentials(
@@ -167,17 +214,38 @@ def start_server(
             raise Unavailable(f"cannot listen on {tcp.address}: {exc}") from exc
         log.info("listening on %s (mutual TLS)", tcp.address)
 
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # A umask of 0117 makes the socket 0660 from the first instant, before the chown below.
+    old_umask = os.umask(0o117)
+    try:
+        listener.bind(str(socket_path))
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise Unavailable(f"cannot listen on unix:{socket_path}: {exc.strerror}") from exc
+    finally:
+        os.umask(old_umask)
+    _secure_socket(socket_path, socket_group)
+
+    front = UnixFront(listener, backend)
+    api = ApiServer(server, front, private)
+    add_servicers(server, service, api.caller)
     server.start()
+    front.start()
     log.info("serving the gpusnap API on unix:%s", socket_path)
-    return server
+    return api
 
 
-def stop_server(server: grpc.Server, socket_path: Path, *, grace: float | None = 5.0) -> None:
+def stop_server(server: ApiServer, socket_path: Path, *, grace: float | None = 5.0) -> None:
     """Stop serving (in-flight calls get ``grace`` seconds) and remove the socket file."""
-    server.stop(grace).wait()
+    server.front.stop_accepting()  # no new connections; open ones still reach their calls
     try:
         socket_path.unlink()
     except FileNotFoundError:
         pass
     except OSError as exc:
         log.warning("cannot remove %s: %s", socket_path, exc)
+    server.grpc_server.stop(grace).wait()
+    server.front.close()
+    with contextlib.suppress(OSError):
+        shutil.rmtree(server.private_dir)

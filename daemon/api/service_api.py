@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypedDict, Unpack
 
+from gpusnap.daemon.api.callers import Caller
 from gpusnap.proto.wire import JobView, VerdictView
 
 
@@ -41,6 +42,11 @@ class RestoreArgs(TypedDict):
 
 class DaemonServiceAPI(Protocol):
     """What ``DaemonService`` offers its API; mirrored one-to-one by ``gpusnap.v1`` RPCs."""
+
+    def for_caller(self, caller: Caller) -> DaemonServiceAPI:
+        """The service as ``caller`` may use it: every call it may not make raises
+        ``PermissionDenied`` saying why (``daemon/authz.py``); itself for an administrator."""
+        ...
 
     def checkpoint(self, **request: Unpack[CheckpointArgs]) -> JobView:
         """Queue a checkpoint of ``pid``'s tree, a configured workload or a container (in

@@ -59,6 +59,10 @@ class TcpListener:
     cert_file: Path
     key_file: Path
     client_ca_file: Path
+    # [daemon.tcp.clients]: certificate name (subject CN or a subject alternative name) ->
+    # "admin" or a local user name whose rights the caller gets. None: every certificate the
+    # client CA signs is an administrator; given, an unlisted certificate may do nothing.
+    clients: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ class DaemonSection:
     socket: Path = Path(DEFAULT_SOCKET)
     state_dir: Path = Path(DEFAULT_STATE_DIR)
     socket_group: str = "gpusnap"
+    # Members of this group may do everything root may through the API; None: root only.
+    admin_group: str | None = None
     node_id: str | None = None  # default: the host name
     max_jobs: int = 4  # jobs running at once; more wait in QUEUED
     tcp: TcpListener | None = None
@@ -128,6 +134,12 @@ class WorkloadConfig:
     hooks: WorkloadHooks | None = None  # commands around a checkpoint and a restore
     container: str | None = None  # a container workload: its name or id (docs/containers.md)
     runtime: str | None = None  # its runtime; None: detected ([containers] detect)
+    # The user the workload runs as: its pid_file may be owned by root or this user, and
+    # match finds only this user's processes.
+    user: str | None = None
+    # Callers besides root and the admin group who may checkpoint and restore it.
+    allow_users: tuple[str, ...] = ()
+    allow_groups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -256,12 +268,14 @@ def _parse_daemon(t: Table) -> DaemonSection:
             cert_file=tcp_t.path("cert_file", required=True) or Path(),
             key_file=tcp_t.path("key_file", required=True) or Path(),
             client_ca_file=tcp_t.path("client_ca_file", required=True) or Path(),
+            clients=tcp_t.string_map("clients"),
         )
         tcp_t.done()
     section = DaemonSection(
         socket=t.path("socket") or d.socket,
         state_dir=t.path("state_dir") or d.state_dir,
         socket_group=t.string("socket_group") or d.socket_group,
+        admin_group=t.string("admin_group"),
         node_id=t.string("node_id"),
         max_jobs=t.integer("max_jobs", minimum=1) or d.max_jobs,
         tcp=tcp,
@@ -383,6 +397,9 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 raise InvalidArgument(
                     f"{t.where}: key 'match': not a regular expression: {exc}"
                 ) from None
+        user = t.string("user")
+        if user is not None and not user:
+            raise t.bad("user", "must name a user")
         container = t.string("container")
         runtime = t.choice("runtime", RUNTIMES)
         if runtime is not None and container is None:
@@ -455,6 +472,9 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 hooks=hooks,
                 container=container,
                 runtime=runtime,
+                user=user,
+                allow_users=tuple(t.string_list("allow_users") or ()),
+                allow_groups=tuple(t.string_list("allow_groups") or ()),
             )
         )
         t.done()

@@ -123,9 +123,11 @@ def checkpoint_stamp(
     launch: Mapping[str, Any],
     gpu: Mapping[str, Any],
     tree: Sequence[ProcessInfo],
+    uids: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The whole stamp of a checkpoint of ``tree`` (root first); the store signs it with the
-    manifest. ``files`` are ``file_entry`` records, ``gpu`` the GPU layer's section."""
+    manifest. ``files`` are ``file_entry`` records, ``gpu`` the GPU layer's section, ``uids``
+    every uid the tree's processes had (whose a restore would bring back)."""
     root = tree[0]
     return {
         "stamp_version": STAMP_VERSION,
@@ -141,5 +143,6 @@ def checkpoint_stamp(
             "pids": [p.pid for p in tree],
             "threads": sum(p.threads for p in tree),
             "comm": Path(root.exe).name if root.exe else "",
+            "uids": list(uids),
         },
     }

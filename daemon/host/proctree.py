@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpusnap.daemon.host import owners
 from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
@@ -287,11 +288,13 @@ def find_pids(
     pid_file: str | os.PathLike[str] | None = None,
     systemd_unit: str | None = None,
     match: str | None = None,
+    user: str | None = None,
 ) -> list[int]:
     """A workload's process tree, root first, from exactly one of: a pid, a pid file, a
-    systemd unit (its MainPID), a cmdline regex (which must pick out one tree)."""
+    systemd unit (its MainPID), a cmdline regex (which must pick out one tree). ``user``: the
+    workload's user, who may own the pid file and whose processes alone ``match`` sees."""
     return tree_pids(
-        find_root_pid(pid=pid, pid_file=pid_file, systemd_unit=systemd_unit, match=match)
+        find_root_pid(pid=pid, pid_file=pid_file, systemd_unit=systemd_unit, match=match, user=user)
     )
 
 
@@ -301,6 +304,7 @@ def find_root_pid(
     pid_file: str | os.PathLike[str] | None = None,
     systemd_unit: str | None = None,
     match: str | None = None,
+    user: str | None = None,
 ) -> int:
     """The root pid of a workload; see ``find_pids``."""
     given = [x for x in (pid, pid_file, systemd_unit, match) if x is not None]
@@ -311,11 +315,11 @@ def find_root_pid(
             raise NotFound(f"no such process: {pid}")
         return pid
     if pid_file is not None:
-        return _pid_from_file(Path(pid_file))
+        return _pid_from_file(Path(pid_file), user)
     if systemd_unit is not None:
         return _pid_from_unit(systemd_unit)
     assert match is not None
-    return _pid_from_match(match)
+    return _pid_from_match(match, None if user is None else owners.user_uid(user))
 
 
 _INTERPRETERS = re.compile(r"^(python[\d.]*|pypy[\d.]*|node|ruby|perl|bash|sh)$")
@@ -350,13 +354,8 @@ def _safe_name(name: str) -> str:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _pid_from_file(path: Path) -> int:
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        raise NotFound(f"pid file {path} does not exist") from None
-    except OSError as exc:
-        raise FailedPrecondition(f"cannot read pid file {path}: {exc.strerror}") from exc
+def _pid_from_file(path: Path, user: str | None) -> int:
+    text = owners.read_pid_file(path, user).strip()
     if not text.split() or not text.split()[0].isdigit():
         raise InvalidArgument(f"pid file {path} holds no pid: {text[:40]!r}")
     pid = int(text.split()[0])
@@ -387,7 +386,7 @@ def _pid_from_unit(unit: str) -> int:
     raise NotFound(f"systemd unit {unit}: no systemd here and no cgroup named {unit}")
 
 
-def _pid_from_match(pattern: str) -> int:
+def _pid_from_match(pattern: str, uid: int | None) -> int:
     try:
         regex = re.compile(pattern)
     except re.error as exc:
@@ -396,6 +395,8 @@ def _pid_from_match(pattern: str) -> int:
     hits: list[int] = []
     for entry in PROC.iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        if uid is not None and not owners.runs_as(int(entry.name), uid):
             continue
         try:
             raw = (entry / "cmdline").read_bytes()
@@ -407,7 +408,8 @@ def _pid_from_match(pattern: str) -> int:
     # A match's own children (forked workers) are part of its tree, not rivals.
     roots = sorted(p for p in hits if not _has_ancestor_in(p, set(hits)))
     if not roots:
-        raise NotFound(f"no process matches {pattern!r}")
+        whose = "" if uid is None else f" running as {owners.user_name(uid)}"
+        raise NotFound(f"no process{whose} matches {pattern!r}")
     if len(roots) > 1:
         shown = ", ".join(str(p) for p in roots[:5])
         raise FailedPrecondition(

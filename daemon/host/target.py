@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from gpusnap.daemon.host import proctree, scopes
-from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpusnap.daemon.host import owners, proctree, scopes
+from gpusnap.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 
 class WorkloadFacts(Protocol):
@@ -28,6 +28,8 @@ class WorkloadFacts(Protocol):
     def systemd_unit(self) -> str | None: ...
     @property
     def match(self) -> str | None: ...
+    @property
+    def user(self) -> str | None: ...
 
 
 def workload_root(w: WorkloadFacts) -> int:
@@ -42,6 +44,7 @@ def workload_root(w: WorkloadFacts) -> int:
             pid_file=str(w.pid_file) if w.pid_file else None,
             systemd_unit=w.systemd_unit,
             match=w.match,
+            user=w.user,
         )
     except NotFound:
         # A restore moved a unit's tree into a scope of its own: it is the workload still.
@@ -52,8 +55,30 @@ def workload_root(w: WorkloadFacts) -> int:
     pids = [p for p in pids if p != os.getpid()]
     if not pids:
         raise NotFound(f"workload {w.name} is not running (no process found)")
+    if w.user is not None:
+        # Whoever may write the pid file (the workload's user) may name only their own tree.
+        reasons = owners.tree_reasons(pids, owners.user_uid(w.user))
+        if reasons:
+            raise PermissionDenied(f"workload {w.name} (user {w.user}): {reasons[0]}")
     check_checkpointable(pids[0], workload=w.name)
     return pids[0]
+
+
+def workload_reasons(w: WorkloadFacts) -> list[str]:
+    """Why the config's way of finding workload ``w`` would be refused, without looking for
+    its processes: a pid file gpusnapd cannot trust, a ``user`` that does not exist. Empty
+    when there is nothing to refuse (``gpusnap preflight`` shows these; the job raises them)."""
+    reasons = []
+    if w.user is not None:
+        try:
+            owners.user_uid(w.user)
+        except InvalidArgument as err:
+            reasons.append(f"workload {w.name}: user: {err}")
+    if w.pid_file is not None:
+        reasons += [
+            f"workload {w.name}: {r}" for r in owners.pid_file_reasons(Path(w.pid_file), w.user)
+        ]
+    return reasons
 
 
 def pid_root(pid: int) -> int:

@@ -25,9 +25,10 @@ from typing import Any, Protocol
 from gpusnap.daemon.config.file import WorkloadConfig
 from gpusnap.daemon.gate.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.gpu.adapter import Freeze
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import owners, proctree
 from gpusnap.daemon.host.criu import remove_logs
 from gpusnap.daemon.host.files import watched_files
+from gpusnap.daemon.host.owners import tree_uids
 from gpusnap.daemon.host.pagestream import PageStreamer
 from gpusnap.daemon.infra.metrics import METRICS
 from gpusnap.daemon.jobs.executor import JobContext
@@ -40,7 +41,7 @@ from gpusnap.daemon.pipelines.gpu_tree import nccl_by_pid, with_processes
 from gpusnap.daemon.pipelines.hooks import JobHooks
 from gpusnap.daemon.pipelines.recovery import record_dump
 from gpusnap.daemon.pipelines.rescue import Rescue
-from gpusnap.errors import GpusnapError, with_message
+from gpusnap.errors import GpusnapError, PermissionDenied, with_message
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.push import PushResult
 from gpusnap.storage.streams import UploadedStreams
@@ -59,6 +60,9 @@ class CheckpointPlan:
     compress: bool | None = None
     # The store check: whether this workload's latest checkpoint is damaged (a full push).
     store_check: StoreChecker | None = None
+    # A caller who is not an administrator asked: every process must run as this uid when
+    # the job looks at the tree (it may have changed since the request).
+    run_as: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class _Look:
     engine: dict[str, Any]
     model: dict[str, Any]
     watched: list[tuple[str, str]]
+    uids: list[int]  # every uid the tree's processes had (real, effective, saved, fs)
 
     @property
     def pids(self) -> list[int]:
@@ -147,6 +152,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
             launch=look.launch,
             gpu=gpu_stamp,
             tree=look.tree,
+            uids=look.uids,
         )
         spec: dict[str, Any] = {
             "workload": plan.workload,
@@ -243,6 +249,10 @@ def upload_during_dump(node: Node, parent: str | None, full: str | None) -> bool
 def _look(plan: CheckpointPlan) -> _Look:
     """The tree, its launch spec, its identity and its files, read from /proc."""
     tree = proctree.process_tree(plan.root_pid)
+    if plan.run_as is not None:
+        reasons = owners.tree_reasons([p.pid for p in tree], plan.run_as)
+        if reasons:
+            raise PermissionDenied(f"the tree no longer runs as uid {plan.run_as}: {reasons[0]}")
     root = tree[0]
     launch = proctree.launch_spec(root.pid)
     launch["exe"] = root.exe
@@ -254,7 +264,8 @@ def _look(plan: CheckpointPlan) -> _Look:
             log.info("cannot probe the packages of pid %d: %s", root.pid, err)
     engine, model = identity_stamp(plan.config, packages)
     watched = watched_files([p.pid for p in tree])
-    return _Look(tree=tree, launch=launch, engine=engine, model=model, watched=watched)
+    uids = tree_uids([p.pid for p in tree])
+    return _Look(tree=tree, launch=launch, engine=engine, model=model, watched=watched, uids=uids)
 
 
 def _uploaded_streams(

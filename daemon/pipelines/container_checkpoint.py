@@ -36,6 +36,7 @@ from gpusnap.daemon.gate.stamp import checkpoint_stamp, file_entry, identity_sta
 from gpusnap.daemon.gpu.adapter import Freeze
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.files import watched_files
+from gpusnap.daemon.host.owners import tree_uids
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.node.node import Node
@@ -142,6 +143,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
         raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
     pids = list(info.pids)
     tree = proctree.process_tree(pids[0])
+    uids = tree_uids(p for pid in pids for p in proctree.tree_pids(pid))
     ns = proctree.ns_pids(pids)
     watched = _host_files(watched_files(pids), info.spec.mounts)
     engine, model = identity_stamp(plan.config, None)
@@ -196,6 +198,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
             launch={"container": summary},
             gpu=gpu_stamp,
             tree=tree,
+            uids=uids,
         )
         stamp["container"] = container_stamp(info, parts, ns)
         spec: dict[str, Any] = {

@@ -19,6 +19,7 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_INTEGRITY = 4
 EXIT_DAEMON_UNREACHABLE = 5
+EXIT_PERMISSION_DENIED = 6
 
 
 class GpusnapError(Exception):
@@ -71,6 +72,11 @@ class Corrupt(GpusnapError, kind="corrupt"):
 class Unsupported(GpusnapError, kind="unsupported"): ...
 
 
+class PermissionDenied(GpusnapError, kind="permission_denied"):
+    """The caller may not do this (docs/operations.md, the authorization table); the message
+    says why."""
+
+
 class Unreachable(Unavailable, kind="unreachable"):
     """The daemon itself cannot be reached (no socket, refused, not ours to open)."""
 
@@ -100,6 +106,7 @@ ERROR_TABLE: dict[str, ErrorMapping] = {
     "unreachable": ErrorMapping("UNAVAILABLE", EXIT_DAEMON_UNREACHABLE),
     "corrupt": ErrorMapping("DATA_LOSS", EXIT_INTEGRITY),
     "unsupported": ErrorMapping("UNIMPLEMENTED", EXIT_FAILURE),
+    "permission_denied": ErrorMapping("PERMISSION_DENIED", EXIT_PERMISSION_DENIED),
     "deadline_exceeded": ErrorMapping("DEADLINE_EXCEEDED", EXIT_FAILURE),
     "cancelled": ErrorMapping("CANCELLED", EXIT_FAILURE),
     "internal": ErrorMapping("INTERNAL", EXIT_FAILURE),
@@ -117,6 +124,7 @@ KINDS: dict[str, type[GpusnapError]] = {
         Unreachable,
         Corrupt,
         Unsupported,
+        PermissionDenied,
         DeadlineExceeded,
         Cancelled,
         Internal,

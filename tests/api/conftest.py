@@ -20,10 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from gpusnap.daemon.api import DaemonServiceAPI, start_server, stop_server
+from gpusnap.daemon.api.callers import Caller
+from gpusnap.daemon.api.listeners import ApiServer
 from gpusnap.daemon.config.file import parse_config
 from gpusnap.daemon.gate.verdict import CompatVerdict, Reason
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase, Progress
@@ -53,6 +54,10 @@ class FakeService:
         self.jobs: dict[str, Job] = {}
         self.snapshots: dict[str, list[Job]] = {}
         self._ids = itertools.count(1)
+
+    def for_caller(self, caller: Caller) -> FakeService:
+        """Every caller may do everything here: the fake proves translation, not rights."""
+        return self
 
     def last_call(self) -> tuple[str, dict[str, Any]]:
         """The last call the service saw: its name and arguments."""
@@ -332,7 +337,7 @@ def socket_dir() -> Iterator[Path]:
 def server(service: FakeService, socket_dir: Path) -> Iterator[Path]:
     """Serves ``service``; yields the socket path."""
     path = socket_dir / "gpusnapd.sock"
-    srv: grpc.Server = start_server(_typed(service), socket_path=path, socket_group=None)
+    srv: ApiServer = start_server(_typed(service), socket_path=path, socket_group=None)
     yield path
     stop_server(srv, path, grace=None)
 
