@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpusnap.errors import Corrupt, FailedPrecondition, InvalidArgument, NotFound
+from gpusnap.storage.untrusted import load_json, printable
 
 log = logging.getLogger(__name__)
 
@@ -278,15 +279,22 @@ def unseal(
     The signature must be by ``signer`` or one of ``trusted`` (by key id); any other signer
     is ``UntrustedSigner`` naming its key id.
     """
+    envelope = load_json(blob, what)
+    if not isinstance(envelope, dict) or envelope.get("format") != kind:
+        raise Corrupt(f"{what} is not a {kind} envelope")
+    enc = envelope.get("encryption")
+    signature_b64 = envelope.get("signature")
+    key_id = envelope.get("key_id")
+    if not (
+        isinstance(enc, str)
+        and isinstance(envelope.get("payload"), str)
+        and isinstance(signature_b64, str | None)
+        and isinstance(key_id, str | None)
+    ):
+        raise Corrupt(f"{what} is not a readable {kind} envelope")
     try:
-        envelope = json.loads(blob)
-        if not isinstance(envelope, dict) or envelope.get("format") != kind:
-            raise Corrupt(f"{what} is not a {kind} envelope")
-        enc = envelope["encryption"]
         body = base64.b64decode(envelope["payload"], validate=True)
-        signature_b64 = envelope.get("signature")
-        key_id = envelope.get("key_id")
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:  # binascii.Error, and non-ASCII text
         raise Corrupt(f"{what} is not a readable {kind} envelope") from exc
     if verify:
         accepted = dict(trusted or {})
@@ -301,21 +309,21 @@ def unseal(
         checker = accepted.get(str(key_id))
         if checker is None:
             raise UntrustedSigner(
-                f"{what} is signed by key {key_id}, which this node does not trust "
+                f"{what} is signed by key {printable(key_id)}, which this node does not trust "
                 f"(trusted: {', '.join(accepted)}; add the signer's public key to the "
                 "trusted keys to accept it)",
-                str(key_id),
+                printable(key_id),
             )
         try:
             signature = base64.b64decode(signature_b64, validate=True)
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:
             raise Corrupt(f"{what} has an unreadable signature") from exc
         if not checker.check(_signed_message(kind, str(enc), body), signature):
             raise Corrupt(f"{what} failed its signature check (altered or forged)")
     if enc == "none":
         return body
     if enc != "aes-256-gcm":
-        raise Corrupt(f"{what} uses an unknown encryption {enc!r}")
+        raise Corrupt(f"{what} uses an unknown encryption {printable(enc)!r}")
     if encryption is None:
         raise FailedPrecondition(f"{what} is encrypted; an encryption key file is needed")
     try:
