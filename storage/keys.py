@@ -348,7 +348,7 @@ def unseal(
     The signature must be by ``signer`` or one of ``trusted`` (by key id); any other signer
     is ``UntrustedSigner`` naming its key id.
     """
-    envelope = load_json(blob, what)
+    envelope = load_json(blob, what, envelope=kind)
     if not isinstance(envelope, dict) or envelope.get("format") != kind:
         raise Corrupt(f"{what} is not a {kind} envelope")
     enc = envelope.get("encryption")

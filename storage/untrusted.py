@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpusnap.errors import Corrupt
 
-if TYPE_CHECKING:  # imports nothing of storage's at run time: manifest.py and keys.py use it
-    from gpusnap.storage.backend import Backend
+
+class _Readable(Protocol):
+    """What ``read_capped`` needs of a backend (``backend.Backend``, which imports what uses
+    this module, so it is not imported here)."""
+
+    def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytes: ...
+
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -38,7 +43,7 @@ MAX_JSON_DEPTH = 64
 MAX_JSON_INT = 2**64
 
 
-def read_capped(backend: Backend, key: str, limit: int, what: str) -> bytes:
+def read_capped(backend: _Readable, key: str, limit: int, what: str) -> bytes:
     """The object at ``key``, at most ``limit`` bytes of it read; ``Corrupt`` if it is larger.
 
     One byte past the limit is asked for (a ranged read), so that an object of exactly
@@ -54,52 +59,67 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def load_json(blob: bytes, what: str) -> Any:
-    """``blob`` parsed as strict JSON (UTF-8), or ``Corrupt`` naming ``what``.
+def load_json(blob: bytes, what: str, *, envelope: str | None = None) -> Any:
+    """``blob`` parsed as strict JSON (UTF-8), or ``Corrupt`` naming ``what`` and why.
 
     Refused: invalid UTF-8; ``NaN``/``Infinity``; a float that overflows; an integer beyond
     ``MAX_JSON_INT``; nesting deeper than ``MAX_JSON_DEPTH``; a string (or key) holding a
-    lone surrogate (it would fail later, wherever it is encoded or printed).
+    lone surrogate (it would fail later, wherever it is encoded or printed). ``envelope``
+    names the envelope format ``blob`` should be, for the message.
     """
+    problem = _json_problem(blob)
+    if isinstance(problem, _Problem):
+        if envelope is not None:
+            raise Corrupt(f"{what} is not a readable {envelope} envelope: {problem.why}")
+        raise Corrupt(f"{what} is not readable: {problem.why}")
+    return problem
+
+
+class _Problem:
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _json_problem(blob: bytes) -> Any:
+    """The parsed value, or a ``_Problem`` saying what is wrong with it."""
     try:
         value = json.loads(blob.decode("utf-8"), parse_constant=_refuse_constant)
-    except RecursionError as exc:
-        raise Corrupt(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels") from exc
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise Corrupt(f"{what} is not readable JSON") from exc
-    _check_tree(value, what)
-    return value
-
-
-def _check_tree(value: Any, what: str) -> None:
+    except RecursionError:
+        return _Problem(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    except UnicodeDecodeError:
+        return _Problem("not UTF-8")
+    except ValueError:  # JSONDecodeError, an integer too long to convert, NaN
+        return _Problem("not JSON")
     # Iterative: a recursive walk is what the deep nesting attacks.
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        if isinstance(item, dict | list) and depth > MAX_JSON_DEPTH:
+            return _Problem(f"nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(item, dict):
-            if depth > MAX_JSON_DEPTH:
-                raise Corrupt(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
             for key, inner in item.items():
-                _check_str(key, what)
+                if not _is_unicode(key):
+                    return _Problem("a string that is not valid Unicode")
                 stack.append((inner, depth + 1))
         elif isinstance(item, list):
-            if depth > MAX_JSON_DEPTH:
-                raise Corrupt(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
             stack.extend((inner, depth + 1) for inner in item)
         elif isinstance(item, str):
-            _check_str(item, what)
+            if not _is_unicode(item):
+                return _Problem("a string that is not valid Unicode")
         elif isinstance(item, float):
             if not math.isfinite(item):
-                raise Corrupt(f"{what} holds a number out of range")
+                return _Problem("a number out of range")
         elif isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_JSON_INT:
-            raise Corrupt(f"{what} holds a number out of range")
+            return _Problem("a number out of range")
+    return value
 
 
-def _check_str(text: str, what: str) -> None:
+def _is_unicode(text: str) -> bool:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise Corrupt(f"{what} holds a string that is not valid Unicode") from exc
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def printable(text: object, limit: int = 80) -> str:
