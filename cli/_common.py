@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from gpusnap.errors import InvalidArgument
 from gpusnap.storage import CheckpointStore, ChunkCache, open_store
-from gpusnap.storage.backend import BackendOptions
+from gpusnap.storage.backend import MAX_PART_BYTES, MAX_WORKERS, MIN_PART_BYTES, BackendOptions
 
 # The store used when neither --store nor GPUSNAP_STORE names one (see docs).
 DEFAULT_STORE_URL = "file:///var/lib/gpusnap/store"
@@ -159,6 +160,10 @@ def add_group(subparsers: Subparsers, name: str, help_text: str, description: st
     return group.add_subparsers(dest=f"{name}_command", metavar=f"<{name} command>", required=True)
 
 
+# No duration any option takes comes near this (31 years).
+MAX_DURATION_SECONDS = 1e9
+
+
 def parse_duration(text: str) -> float:
     """``0s``, ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m`` -> seconds. For argparse ``type=``."""
     s = text.strip().lower()
@@ -166,7 +171,18 @@ def parse_duration(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"invalid duration {text!r} (use e.g. 0s, 90s, 30m, 2h, 1d or 1h30m)"
         )
-    return sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(s))
+    return checked_seconds(
+        sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(s)), text
+    )
+
+
+def checked_seconds(value: float, text: str) -> float:
+    """``value`` if it is a finite number of seconds no option could mean more than."""
+    if not math.isfinite(value) or not 0 <= value <= MAX_DURATION_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r} (0 to {MAX_DURATION_SECONDS:g} seconds)"
+        )
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -176,6 +192,24 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def worker_count(text: str) -> int:
+    """``--workers N``: 1 to ``MAX_WORKERS``."""
+    value = positive_int(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WORKERS}: {text!r}")
+    return value
+
+
+def part_size(text: str) -> int:
+    """An S3 multipart part size: ``byte_size`` within S3's bounds."""
+    value = byte_size(text)
+    if not MIN_PART_BYTES <= value <= MAX_PART_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"a part is {MIN_PART_BYTES} to {MAX_PART_BYTES} bytes (5MiB to 5GiB), not {text!r}"
+        )
     return value
 
 
@@ -241,12 +275,12 @@ def store_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--multipart-chunksize",
-        type=byte_size,
+        type=part_size,
         metavar="SIZE",
         help="S3: the size of each part (at least 5MiB; default 16MiB)",
     )
     g.add_argument("--cache-dir", metavar="DIR", type=Path, help="local chunk-index cache")
-    g.add_argument("--workers", type=positive_int, metavar="N", help="parallel transfers")
+    g.add_argument("--workers", type=worker_count, metavar="N", help="parallel transfers")
     g.add_argument(
         "--retry-for",
         type=parse_duration,

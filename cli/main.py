@@ -25,6 +25,7 @@ from gpusnap.cli import cache_cmds, daemon_cmds, exec_cmd, plan, store_cmds, tri
 from gpusnap.cli._common import Parser, UsageError, common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
+from gpusnap.storage.redact import RedactSecrets
 
 # Every command module, in the order `gpusnap --help` lists their commands.
 COMMAND_MODULES = (
@@ -99,6 +100,7 @@ def _configure_logging(verbose: int) -> None:
     """Library logs (retries and the like) go to stderr only with -v: an error is one line."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(name)s: %(message)s"))
+    handler.addFilter(RedactSecrets())  # botocore's debug lines carry credentials
     root = logging.getLogger()
     root.handlers[:] = [handler]
     if verbose <= 0:

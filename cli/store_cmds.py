@@ -31,7 +31,6 @@ from gpusnap.cli.cache_cmds import open_pull_cache
 from gpusnap.cli.manifest_view import add_show_env, redact_env, render_manifest
 from gpusnap.cli.progress import ProgressBar
 from gpusnap.errors import (
-    EXIT_FAILURE,
     EXIT_INTEGRITY,
     EXIT_OK,
     AlreadyExists,
@@ -320,8 +319,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with _opened(args, create=True) as store:
         report = store.gc(**kwargs)
     # A gc that hit a problem (an unreadable manifest makes it keep every chunk) must not look
-    # like success to a cron job, or the store silently stops shrinking.
-    code = EXIT_FAILURE if report.problems else EXIT_OK
+    # like success to a cron job, or the store silently stops shrinking. Every problem is
+    # something bad in the store, so the exit code is the integrity one.
+    code = EXIT_INTEGRITY if report.problems else EXIT_OK
     if args.json:
         print_json(report.as_dict())
         return code

@@ -15,7 +15,13 @@ import time
 from typing import Any
 
 from gpusnap.cli._client import query
-from gpusnap.cli._common import Subparsers, add_command, common_parser, parse_duration
+from gpusnap.cli._common import (
+    Subparsers,
+    add_command,
+    checked_seconds,
+    common_parser,
+    parse_duration,
+)
 from gpusnap.cli._output import PROG, render_table
 
 
@@ -29,8 +35,8 @@ def _ago(epoch: object) -> str:
 def deadline_seconds(text: str) -> float:
     """``30`` (seconds) or a duration such as ``90s``, ``2m``; must be > 0."""
     try:
-        value = float(text)
-    except ValueError:
+        value = checked_seconds(float(text), text)
+    except ValueError:  # not a number (nan and inf are refused by checked_seconds)
         value = parse_duration(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"deadline must be more than 0 seconds, not {text!r}")

@@ -44,6 +44,7 @@ from gpusnap.errors import (
     InvalidArgument,
     exit_code_for,
 )
+from gpusnap.storage.redact import RedactSecrets
 
 log = logging.getLogger("gpusnap.daemon")
 
@@ -67,6 +68,7 @@ class _JsonFormatter(logging.Formatter):
 
 def _setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RedactSecrets())  # botocore's debug lines carry credentials
     if fmt == "json":
         handler.setFormatter(_JsonFormatter())
     else:

@@ -28,6 +28,13 @@ class ObjectInfo:
     mtime: float  # seconds since the epoch, as the store reports it
 
 
+# S3's bounds on a multipart part (every part but the last is at least the minimum).
+MIN_PART_BYTES = 5 * 1024 * 1024
+MAX_PART_BYTES = 5 * 1024 * 1024 * 1024
+# The most parallel transfers (and pooled connections) a store is opened with.
+MAX_WORKERS = 1024
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """Everything a URL cannot carry. Unused fields are ignored by backends that need none."""

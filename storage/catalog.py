@@ -32,18 +32,33 @@ from gpusnap.storage.manifest import (
     ManifestSummary,
     check_checkpoint_id,
 )
+from gpusnap.storage.untrusted import MAX_MANIFEST_BYTES, read_capped
 
 log = logging.getLogger(__name__)
 
 
+def manifest_keys(backend: Backend, checkpoint_id: str, workload: str | None = None) -> list[str]:
+    """The keys of every manifest named ``checkpoint_id``, ``workload``'s first (one LIST).
+
+    An id is unique among the checkpoints a push writes, but anyone who can write to the
+    store can put an object under the same id in another workload's folder.
+    """
+    check_checkpoint_id(checkpoint_id)
+    found = [
+        info.key
+        for info in backend.list(MANIFEST_PREFIX)
+        if (parts := split_manifest_key(info.key)) is not None and parts[1] == checkpoint_id
+    ]
+    found.sort(key=lambda key: split_manifest_key(key) != (workload, checkpoint_id))
+    return found
+
+
 def find_manifest_key(backend: Backend, checkpoint_id: str) -> str:
     """The key of checkpoint ``checkpoint_id``'s manifest, whatever its workload (one LIST)."""
-    check_checkpoint_id(checkpoint_id)
-    for info in backend.list(MANIFEST_PREFIX):
-        parts = split_manifest_key(info.key)
-        if parts is not None and parts[1] == checkpoint_id:
-            return info.key
-    raise NotFound(f"checkpoint {checkpoint_id} not found")
+    found = manifest_keys(backend, checkpoint_id)
+    if not found:
+        raise NotFound(f"checkpoint {checkpoint_id} not found")
+    return found[0]
 
 
 def read_manifest(ctx: StoreContext, key: str, *, verify: bool | None = None) -> Manifest:
@@ -56,16 +71,29 @@ def read_manifest(ctx: StoreContext, key: str, *, verify: bool | None = None) ->
         raise Corrupt(f"store object {key} is not a manifest key")
     workload, checkpoint_id = parts
     what = f"manifest {checkpoint_id}"
-    payload = ctx.keys.unseal(ctx.backend.get(key), ENVELOPE_FORMAT, what=what, verify=verify)
+    blob = read_capped(ctx.backend, key, MAX_MANIFEST_BYTES, what)
+    payload = ctx.keys.unseal(blob, ENVELOPE_FORMAT, what=what, verify=verify)
     manifest = Manifest.from_json(payload)
     if manifest.checkpoint_id != checkpoint_id or manifest.workload != workload:
         raise Corrupt(f"manifest {key} describes {manifest.workload}/{manifest.checkpoint_id}")
     return manifest
 
 
-def fetch_manifest(ctx: StoreContext, checkpoint_id: str) -> Manifest:
-    """The checkpoint's manifest, found, fetched and authenticated (``NotFound``/``Corrupt``)."""
-    return read_manifest(ctx, find_manifest_key(ctx.backend, checkpoint_id))
+def fetch_manifest(ctx: StoreContext, checkpoint_id: str, workload: str | None = None) -> Manifest:
+    """The checkpoint's manifest, found, fetched and authenticated (``NotFound``/``Corrupt``).
+
+    ``workload``'s is tried first; then any other object under the id, so that one planted
+    in another workload's folder never hides the real one. When none holds, the error is
+    the first one's (the named workload's, if it has one).
+    """
+    first: GpusnapError | None = None
+    for key in manifest_keys(ctx.backend, checkpoint_id, workload):
+        try:
+            return read_manifest(ctx, key)
+        except (Corrupt, FailedPrecondition, NotFound) as exc:
+            first = first or exc
+            log.warning("%s: %s", key, exc)
+    raise first or NotFound(f"checkpoint {checkpoint_id} not found")
 
 
 def list_manifests(

@@ -42,6 +42,10 @@ ZSTD_LEVEL = 1
 MIN_SAVING = 0.03
 # No chunk is larger than the chunker's maximum; a size above it is refused unread.
 MAX_CHUNK_BYTES = MAX_SIZE
+_GCM_TAG_BYTES = 16
+# The largest chunk object there can be: a header, a nonce, the content (a compressed body is
+# kept only when smaller) and the cipher's tag. A larger object is refused unread.
+MAX_OBJECT_BYTES = HEADER_SIZE + NONCE_BYTES + MAX_CHUNK_BYTES + _GCM_TAG_BYTES
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote, urlsplit
 
-from gpusnap.errors import FailedPrecondition, GpusnapError, Internal, InvalidArgument, NotFound
+from gpusnap.errors import (
+    Corrupt,
+    FailedPrecondition,
+    GpusnapError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+)
 from gpusnap.storage.backend import BackendOptions, ObjectInfo, check_range, key_taken, no_object
 from gpusnap.storage.file_ops import (
     DIR_FLAGS,
@@ -58,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _SYNC_THREADS = 16
 _READ_BLOCK = 1 << 30  # pread() returns at most ~2 GiB per call on Linux
+_GET_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 # Enough for a gc record and its rewrites, and the ``locks/`` directory, many times over
 # on any block size; small beside any disk that holds checkpoints.
 RESERVE_BYTES = 4 * 1024 * 1024
@@ -132,7 +140,11 @@ class FileBackend:
             if dfd is None:
                 raise no_object(self.url, key)
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+                # Anyone who can write the store may put a FIFO or a device at a key: look
+                # before opening (opening either can block or act), open without blocking
+                # or following, and look again at what was opened.
+                self._check_regular(os.stat(name, dir_fd=dfd, follow_symlinks=False), key)
+                fd = os.open(name, _GET_FLAGS, dir_fd=dfd)
             finally:
                 os.close(dfd)
         except (FileNotFoundError, NotADirectoryError):
@@ -141,8 +153,7 @@ class FileBackend:
             raise self._translate(exc, "get", key) from exc
         try:
             st = os.fstat(fd)
-            if not stat_mod.S_ISREG(st.st_mode):
-                raise no_object(self.url, key)
+            self._check_regular(st, key)
             end = st.st_size if length is None else min(st.st_size, offset + length)
             parts: list[bytes] = []
             pos = offset
@@ -157,6 +168,12 @@ class FileBackend:
             raise self._translate(exc, "get", key) from exc
         finally:
             os.close(fd)
+
+    def _check_regular(self, st: os.stat_result, key: str) -> None:
+        if stat_mod.S_ISLNK(st.st_mode):
+            raise self._translate(OSError(errno.ELOOP, os.strerror(errno.ELOOP)), "get", key)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise Corrupt(f"store object {key!r} in {self.url} is not a regular file")
 
     def stat(self, key: str) -> ObjectInfo | None:
         directory, name = self._split(key)

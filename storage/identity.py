@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -49,6 +50,7 @@ from gpusnap.storage.backend import Backend
 from gpusnap.storage.chunker import MAX_SIZE, ChunkerParams
 from gpusnap.storage.keys import StoreKeys
 from gpusnap.storage.layout import CONFIG_KEY
+from gpusnap.storage.untrusted import MAX_CONFIG_BYTES, load_json, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,8 @@ class StoreIdentity:
     def parse(cls, payload: bytes, signed_by: str | None) -> StoreIdentity:
         """The identity in a config payload; ``Corrupt`` if malformed, ``Unsupported`` if it
         is a format (or a chunking or hash) this code does not know."""
+        body = load_json(payload, "store config")
         try:
-            body = json.loads(payload)
             version = body["format_version"]
             store_id = body["store_id"]
             created_at = float(body["created_at"])
@@ -108,8 +110,10 @@ class StoreIdentity:
             )
             algorithm, hash_name = chunking["algorithm"], chunk_id["hash"]
             keyed, enc_id = chunk_id["keyed"], chunk_id["encryption_key_id"]
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:
             raise Corrupt(f"store config is not a readable {CONFIG_FORMAT} object") from exc
+        if not math.isfinite(created_at):
+            raise Corrupt("store config has a created_at that is not a time")
         if not isinstance(version, int) or version != STORE_FORMAT_VERSION:
             raise Unsupported(
                 f"store format version {version!r}; this gpusnap reads version "
@@ -178,9 +182,12 @@ def new_identity(keys: StoreKeys, params: ChunkerParams) -> StoreIdentity:
 def read_identity(backend: Backend, keys: StoreKeys) -> IdentityRead:
     """One GET of ``config``, opened with the store's keys (see the module docstring)."""
     try:
-        blob = backend.get(CONFIG_KEY)
+        blob = read_capped(backend, CONFIG_KEY, MAX_CONFIG_BYTES, "store config")
     except NotFound:
         return IdentityRead(None)
+    except Corrupt as exc:  # too large, or not a file: not used, like any bad config
+        log.warning("%s: the store config is not used (%s)", backend.url, exc)
+        return IdentityRead(None, exc, f"unreadable-{type(exc).__name__}")
     digest = blake3(blob).hexdigest()[:32]
     try:
         payload = keys.unseal(blob, CONFIG_FORMAT, what="store config")
@@ -197,9 +204,10 @@ def read_identity(backend: Backend, keys: StoreKeys) -> IdentityRead:
 
 def _signer_of(blob: bytes) -> str | None:
     try:
-        key_id = json.loads(blob).get("key_id")
-    except (ValueError, AttributeError):
+        envelope = load_json(blob, "store config")
+    except Corrupt:
         return None
+    key_id = envelope.get("key_id") if isinstance(envelope, dict) else None
     return key_id if isinstance(key_id, str) else None
 
 

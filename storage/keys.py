@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpusnap.errors import Corrupt, FailedPrecondition, InvalidArgument, NotFound
+from gpusnap.storage.untrusted import load_json, printable
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +65,73 @@ def _write_new_file(path: Path, data: bytes, mode: int, what: str, exists: str) 
         os.close(fd)
 
 
-def _read_key_file(path: Path, what: str) -> bytes:
+# No key file we read is anywhere near this; a larger one is not a key.
+_MAX_KEY_FILE_BYTES = 64 * 1024
+
+
+def _read_key_file(path: Path, what: str) -> tuple[bytes, os.stat_result]:
+    """The bytes of a key file and its status (``NotFound``, ``InvalidArgument``).
+
+    What the file holds decides how it is checked (``check_secret_file``,
+    ``check_public_file``), the way ssh checks its keys before using them.
+    """
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError as exc:
         raise NotFound(f"{what} file {path} does not exist") from exc
     except OSError as exc:
         raise InvalidArgument(f"cannot read {what} file {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(f"{what} file {path} is not a regular file")
+        data = os.read(fd, _MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} file {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_KEY_FILE_BYTES:
+        raise InvalidArgument(f"{what} file {path} is too large to be a key")
+    return data, st
+
+
+def check_secret_file(path: Path, st: os.stat_result, what: str) -> None:
+    """Refuse a secret key file that others may read, or that is not the reader's own."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise InvalidArgument(
+            f"{what} file {path} is mode {mode:04o}; must not be readable by group or others "
+            "(chmod 600)"
+        )
+    if st.st_uid != os.geteuid():
+        raise InvalidArgument(
+            f"{what} file {path} is owned by uid {st.st_uid}, not by the user reading it "
+            f"(uid {os.geteuid()}); chown it to that user"
+        )
+
+
+def check_public_file(path: Path, st: os.stat_result, what: str) -> None:
+    """Refuse a public key file (one this node trusts) that others may swap, or plant."""
+    check_trusted_path(f"{what} file {path}", st)
+    try:
+        parent = os.stat(path.parent)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot check {what} file {path}: {exc.strerror}") from exc
+    check_trusted_path(f"directory {path.parent} of {what} file {path.name}", parent)
+
+
+def check_trusted_path(label: str, st: os.stat_result) -> None:
+    """Refuse a trusted key file or directory that anyone but root or its reader may change."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise InvalidArgument(
+            f"{label} is mode {mode:04o}; must not be writable by group or others (chmod go-w)"
+        )
+    if st.st_uid not in (0, os.geteuid()):
+        raise InvalidArgument(
+            f"{label} is owned by uid {st.st_uid}; only root or the user reading it "
+            f"(uid {os.geteuid()}) may own it"
+        )
 
 
 def generate_signing_key(path: Path) -> None:
@@ -133,13 +195,25 @@ class SigningKey:
         return True
 
 
-def load_signing_key(path: Path) -> SigningKey:
-    """Read a PEM Ed25519 private key, or a PEM public key (verify-only)."""
-    data = _read_key_file(path, "signing key")
+def load_signing_key(path: Path, *, public_only: bool = False) -> SigningKey:
+    """Read a PEM Ed25519 private key, or a PEM public key (verify-only).
+
+    ``public_only``: the file is a trusted public key (checked as one, ``load_public_key``).
+    """
+    data, st = _read_key_file(path, "signing key")
+    if b"PRIVATE KEY" in data and not public_only:
+        check_secret_file(path, st, "signing key")
+    else:
+        check_public_file(path, st, "trusted key" if public_only else "signing key")
     if b"ENCRYPTED PRIVATE KEY" in data or b"Proc-Type: 4,ENCRYPTED" in data:
         raise InvalidArgument(
             f"signing key file {path} is passphrase-protected, which is not supported; "
             "use an unencrypted key file readable only by its owner (mode 0600)"
+        )
+    if b"PRIVATE KEY" in data and public_only:
+        raise InvalidArgument(
+            f"trusted key file {path} holds a private key; trust its public half "
+            f"(`gpusnap store pubkey {path}`), never copy a private key to other nodes"
         )
     if b"PRIVATE KEY" in data:
         try:
@@ -164,13 +238,7 @@ PUBLIC_KEY_SUFFIX = ".pub"
 
 def load_public_key(path: Path) -> SigningKey:
     """A PEM Ed25519 public key file; a private key is refused (it would spread a secret)."""
-    data = _read_key_file(path, "trusted key")
-    if b"PRIVATE KEY" in data:
-        raise InvalidArgument(
-            f"trusted key file {path} holds a private key; trust its public half "
-            f"(`gpusnap store pubkey {path}`), never copy a private key to other nodes"
-        )
-    key = load_signing_key(path)
+    key = load_signing_key(path, public_only=True)
     return SigningKey(key.public_key, None)
 
 
@@ -181,6 +249,7 @@ def load_trusted_keys(paths: Iterable[Path]) -> tuple[SigningKey, ...]:
     for path in paths:
         if path.is_dir():
             try:
+                check_trusted_path(f"trusted keys directory {path}", os.stat(path))
                 names = sorted(os.listdir(path))
             except OSError as exc:
                 raise InvalidArgument(f"cannot list trusted keys {path}: {exc.strerror}") from exc
@@ -218,7 +287,8 @@ def _derive(master: bytes, context: str) -> bytes:
 
 
 def load_encryption_key(path: Path) -> EncryptionKeys:
-    data = _read_key_file(path, "encryption key")
+    data, st = _read_key_file(path, "encryption key")
+    check_secret_file(path, st, "encryption key")
     if len(data) != ENCRYPTION_KEY_BYTES:
         raise InvalidArgument(
             f"encryption key file {path} must hold exactly {ENCRYPTION_KEY_BYTES} bytes"
@@ -278,15 +348,22 @@ def unseal(
     The signature must be by ``signer`` or one of ``trusted`` (by key id); any other signer
     is ``UntrustedSigner`` naming its key id.
     """
+    envelope = load_json(blob, what, envelope=kind)
+    if not isinstance(envelope, dict) or envelope.get("format") != kind:
+        raise Corrupt(f"{what} is not a {kind} envelope")
+    enc = envelope.get("encryption")
+    signature_b64 = envelope.get("signature")
+    key_id = envelope.get("key_id")
+    if not (
+        isinstance(enc, str)
+        and isinstance(envelope.get("payload"), str)
+        and isinstance(signature_b64, str | None)
+        and isinstance(key_id, str | None)
+    ):
+        raise Corrupt(f"{what} is not a readable {kind} envelope")
     try:
-        envelope = json.loads(blob)
-        if not isinstance(envelope, dict) or envelope.get("format") != kind:
-            raise Corrupt(f"{what} is not a {kind} envelope")
-        enc = envelope["encryption"]
         body = base64.b64decode(envelope["payload"], validate=True)
-        signature_b64 = envelope.get("signature")
-        key_id = envelope.get("key_id")
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:  # binascii.Error, and non-ASCII text
         raise Corrupt(f"{what} is not a readable {kind} envelope") from exc
     if verify:
         accepted = dict(trusted or {})
@@ -301,21 +378,21 @@ def unseal(
         checker = accepted.get(str(key_id))
         if checker is None:
             raise UntrustedSigner(
-                f"{what} is signed by key {key_id}, which this node does not trust "
+                f"{what} is signed by key {printable(key_id)}, which this node does not trust "
                 f"(trusted: {', '.join(accepted)}; add the signer's public key to the "
                 "trusted keys to accept it)",
-                str(key_id),
+                printable(key_id),
             )
         try:
             signature = base64.b64decode(signature_b64, validate=True)
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:
             raise Corrupt(f"{what} has an unreadable signature") from exc
         if not checker.check(_signed_message(kind, str(enc), body), signature):
             raise Corrupt(f"{what} failed its signature check (altered or forged)")
     if enc == "none":
         return body
     if enc != "aes-256-gcm":
-        raise Corrupt(f"{what} uses an unknown encryption {enc!r}")
+        raise Corrupt(f"{what} uses an unknown encryption {printable(enc)!r}")
     if encryption is None:
         raise FailedPrecondition(f"{what} is encrypted; an encryption key file is needed")
     try:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.errors import GpusnapError, NotFound, Unavailable
+from gpusnap.errors import Corrupt, GpusnapError, NotFound, Unavailable
 from gpusnap.storage.backend import Backend, ObjectInfo
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.index import rebuild_index
@@ -42,6 +42,7 @@ from gpusnap.storage.layout import (
     push_lock_key,
 )
 from gpusnap.storage.manifest import new_checkpoint_id
+from gpusnap.storage.untrusted import MAX_RECORD_BYTES, load_json, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -122,28 +123,44 @@ class GcRun:
 
 
 def gc_runs(backend: Backend) -> list[GcRun]:
-    """Every gc record in the store; an unreadable one reads as a gc running now."""
+    """Every gc record in the store.
+
+    Records are not signed: anyone who can write to the store can write one. An unreadable
+    record is none a gc wrote (a gc writes whole JSON objects, atomically), so it is judged
+    by its object's age alone: as a gc that swept and finished when the object was written.
+    That makes an index listed before then be rebuilt (safe) and holds no push waiting.
+    """
     records = []
     for info in backend.list(GC_RECORD_PREFIX):
         try:
-            body = json.loads(backend.get(info.key))
-            started = float(body["started_at"])
-            finished = body.get("finished_at")
-            records.append(
-                GcRun(
-                    info.key,
-                    started,
-                    None if finished is None else float(finished),
-                    info.mtime,
-                    bool(body.get("swept", True)),
-                )
-            )
+            records.append(_read_gc_run(backend, info))
         except NotFound:
             continue
-        except (ValueError, KeyError, TypeError):
-            # An unreadable record: assume the worst (a gc that is running now).
-            records.append(GcRun(info.key, time.time(), None, time.time(), True))
+        except Corrupt as exc:
+            log.warning("gc record %s is unreadable (%s); judged by its age", info.key, exc)
+            records.append(GcRun(info.key, info.mtime, info.mtime, info.mtime, True))
     return records
+
+
+def _read_gc_run(backend: Backend, info: ObjectInfo) -> GcRun:
+    what = f"gc record {info.key}"
+    body = load_json(read_capped(backend, info.key, MAX_RECORD_BYTES, what), what)
+    if not isinstance(body, dict):
+        raise Corrupt(f"{what} is not a JSON object")
+    finished = body.get("finished_at")
+    return GcRun(
+        info.key,
+        _time(body.get("started_at"), what),
+        None if finished is None else _time(finished, what),
+        info.mtime,
+        bool(body.get("swept", True)),
+    )
+
+
+def _time(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 2**40:
+        raise Corrupt(f"{what} holds a time that is not one")
+    return float(value)
 
 
 def sync_index_if_gc_ran(ctx: StoreContext, *, wait_for_running: bool = False) -> bool:

@@ -21,6 +21,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from gpusnap.errors import Corrupt, InvalidArgument
+from gpusnap.storage.untrusted import load_json
 
 SCHEMA_VERSION = 1
 ENVELOPE_FORMAT = "gpusnap.manifest/1"
@@ -154,11 +155,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, blob: bytes) -> Manifest:
-        try:
-            data = json.loads(blob)
-        except ValueError as exc:
-            raise Corrupt("manifest is not valid JSON") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(load_json(blob, "manifest"))
 
 
 def _int(value: Any, what: str) -> int:

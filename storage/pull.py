@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from gpusnap.errors import Corrupt, GpusnapError, NotFound
 from gpusnap.storage.catalog import fetch_manifest
 from gpusnap.storage.chunker import MAX_SIZE
+from gpusnap.storage.codec import MAX_OBJECT_BYTES
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.dest import (
     ALIGN,
@@ -53,6 +54,7 @@ from gpusnap.storage.parallel import (
     translate_error,
 )
 from gpusnap.storage.streams import stream_kinds
+from gpusnap.storage.untrusted import read_capped
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,11 @@ def _missing(chunk_id: str, exc: NotFound) -> Corrupt:
     return Corrupt(f"chunk {chunk_id} is missing from the store ({exc})")
 
 
+def read_chunk_object(ctx: StoreContext, chunk_id: str) -> bytes:
+    """Chunk ``chunk_id``'s object from the store, never more than a chunk object can be."""
+    return read_capped(ctx.backend, chunk_key(chunk_id), MAX_OBJECT_BYTES, f"chunk {chunk_id}")
+
+
 def fetch_chunk(
     ctx: StoreContext, chunk_id: str, decode: Callable[[bytes], _R]
 ) -> tuple[_R, int, bool]:
@@ -167,7 +174,7 @@ def fetch_chunk(
             except Corrupt as exc:
                 cache.discard(chunk_id, str(exc))
     try:
-        obj = ctx.backend.get(chunk_key(chunk_id))
+        obj = read_chunk_object(ctx, chunk_id)
     except NotFound as exc:
         raise _missing(chunk_id, exc) from None
     value = decode(obj)

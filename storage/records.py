@@ -24,6 +24,7 @@ from gpusnap.errors import Corrupt, FailedPrecondition, InvalidArgument
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.keys import StoreKeys
 from gpusnap.storage.layout import overlaps_store_prefix, validate_key, validate_prefix
+from gpusnap.storage.untrusted import MAX_RECORD_BYTES, load_json, read_capped
 
 RECORD_FORMAT = "gpusnap.record/1"
 
@@ -70,11 +71,9 @@ class SignedRecords:
     def read(self, name: str) -> dict[str, Any]:
         """Record ``name``, authenticated: ``NotFound``, or ``Corrupt`` unless it holds."""
         key = self.key(name)
-        payload = open_record(self._ctx.keys, self._ctx.backend.get(key), f"signed record {key}")
-        try:
-            record = json.loads(payload)
-        except ValueError as exc:
-            raise Corrupt(f"signed record {key} is not JSON") from exc
+        what = f"signed record {key}"
+        blob = read_capped(self._ctx.backend, key, MAX_RECORD_BYTES, what)
+        record = load_json(open_record(self._ctx.keys, blob, what), what)
         if not isinstance(record, dict):
             raise Corrupt(f"signed record {key} is not a JSON object")
         return record

@@ -24,11 +24,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpusnap.errors import Corrupt, NotFound
-from gpusnap.storage.catalog import find_manifest_key, read_manifest
+from gpusnap.storage.catalog import find_manifest_key, manifest_keys, read_manifest
 from gpusnap.storage.confirm import list_chunk_ids
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.keys import UntrustedSigner
-from gpusnap.storage.layout import MANIFEST_PREFIX, chunk_key, split_manifest_key
+from gpusnap.storage.layout import MANIFEST_PREFIX, split_manifest_key
+from gpusnap.storage.pull import read_chunk_object
 
 # What a verify without ``read_data`` checked, and what one with it did: the words the CLI
 # prints and the ``checked`` field of ``--json``.
@@ -191,7 +192,12 @@ def verify_store(ctx: StoreContext, ids: list[str] | None, *, read_data: bool) -
         by_id, report.strays = _manifest_keys(ctx)
         keys = list(by_id.values())
     else:
-        keys = [find_manifest_key(ctx.backend, i) for i in ids]
+        # Every object under each id: one planted beside the real manifest is reported.
+        keys = [
+            k
+            for i in ids
+            for k in manifest_keys(ctx.backend, i) or [find_manifest_key(ctx.backend, i)]
+        ]
     survey = _survey(ctx, keys)
     report.checkpoints = survey.checkpoints
     report.manifests_bad = survey.bad
@@ -206,7 +212,7 @@ def verify_store(ctx: StoreContext, ids: list[str] | None, *, read_data: bool) -
 
         def check(chunk_id: str) -> str | None:
             try:
-                obj = ctx.backend.get(chunk_key(chunk_id))
+                obj = read_chunk_object(ctx, chunk_id)
                 ctx.codec.decode(chunk_id, obj, survey.sizes[chunk_id])
             except (Corrupt, NotFound) as exc:
                 return f"{exc}"

@@ -34,7 +34,13 @@ from gpusnap.daemon.reclaim.config import (
     parse_workload_policy,
 )
 from gpusnap.errors import GpusnapError, InvalidArgument
-from gpusnap.storage.backend import BackendOptions, registered_schemes
+from gpusnap.storage.backend import (
+    MAX_PART_BYTES,
+    MAX_WORKERS,
+    MIN_PART_BYTES,
+    BackendOptions,
+    registered_schemes,
+)
 from gpusnap.storage.keys import load_encryption_key, load_signing_key, load_trusted_keys
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpusnap/gpusnapd.toml")
@@ -207,6 +213,8 @@ def load_config(path: Path | str = DEFAULT_CONFIG_PATH) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InvalidArgument(f"config: {p}: not valid TOML: {exc}") from exc
+    except RecursionError as exc:  # tomllib recurses per level of nesting
+        raise InvalidArgument(f"config: {p}: nested too deeply to be a gpusnapd config") from exc
     config = parse_config(data, path=p)
     check_key_files(config.store)
     return config
@@ -307,8 +315,12 @@ def _parse_store(t: Table) -> StoreSection:
         sse=t.choice("sse", ("AES256", "aws:kms")),
         sse_kms_key_id=t.string("sse_kms_key_id"),
         multipart_threshold=t.integer("multipart_threshold", minimum=1) or o.multipart_threshold,
-        multipart_chunksize=t.integer("multipart_chunksize", minimum=1) or o.multipart_chunksize,
-        max_pool_connections=t.integer("max_pool_connections", minimum=1) or o.max_pool_connections,
+        multipart_chunksize=t.integer(
+            "multipart_chunksize", minimum=MIN_PART_BYTES, maximum=MAX_PART_BYTES
+        )
+        or o.multipart_chunksize,
+        max_pool_connections=t.integer("max_pool_connections", minimum=1, maximum=MAX_WORKERS)
+        or o.max_pool_connections,
         connect_timeout=t.number("connect_timeout", minimum=0.001) or o.connect_timeout,
         read_timeout=t.number("read_timeout", minimum=0.001) or o.read_timeout,
         retry_attempts=_or(t.integer("retry_attempts", minimum=1), o.retry_attempts),
@@ -321,7 +333,7 @@ def _parse_store(t: Table) -> StoreSection:
         key_file=t.path("key_file"),
         encryption_key_file=t.path("encryption_key_file"),
         cache_dir=t.path("cache_dir"),
-        workers=t.integer("workers", minimum=1),
+        workers=t.integer("workers", minimum=1, maximum=MAX_WORKERS),
         compress=t.boolean("compress"),
         verify=_or(t.boolean("verify"), True),
         options=options,

@@ -8,11 +8,23 @@ Every problem is an ``InvalidArgument`` whose one-line message names the table a
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from gpusnap.errors import InvalidArgument
+
+# Bounds every numeric key has unless it names tighter ones: no count or size we read comes
+# near 2**53 (beyond it a float loses integers), no time, rate or duration near 10**9
+# (31 years of seconds).
+MAX_INTEGER = 2**53
+MAX_NUMBER = 1e9
+
+
+def is_finite_number(value: Any) -> bool:
+    """A TOML number that is neither nan nor infinite (nor a bool, which Python calls an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Table:
@@ -42,6 +54,8 @@ class Table:
             return None
         if not isinstance(v, str) or not v:
             raise self.bad(key, "must be a non-empty string")
+        if "\0" in v:  # no path, name or URL holds one; the OS would refuse it later
+            raise self.bad(key, "must not contain a NUL character")
         return v
 
     def choice(self, key: str, allowed: tuple[str, ...]) -> str | None:
@@ -67,7 +81,9 @@ class Table:
             raise self.bad(key, "must be HOST:PORT")
         return v
 
-    def integer(self, key: str, *, minimum: int | None = None) -> int | None:
+    def integer(
+        self, key: str, *, minimum: int | None = None, maximum: int = MAX_INTEGER
+    ) -> int | None:
         v = self.get(key)
         if v is None:
             return None
@@ -75,16 +91,24 @@ class Table:
             raise self.bad(key, "must be an integer")
         if minimum is not None and v < minimum:
             raise self.bad(key, f"must be at least {minimum}")
+        if v > maximum:
+            raise self.bad(key, f"must be at most {maximum}")
         return v
 
-    def number(self, key: str, *, minimum: float | None = None) -> float | None:
+    def number(
+        self, key: str, *, minimum: float | None = None, maximum: float = MAX_NUMBER
+    ) -> float | None:
         v = self.get(key)
         if v is None:
             return None
         if not isinstance(v, int | float) or isinstance(v, bool):
             raise self.bad(key, "must be a number")
+        if not is_finite_number(v):  # TOML has nan and inf; no key means either
+            raise self.bad(key, "must be a finite number")
         if minimum is not None and v < minimum:
             raise self.bad(key, f"must be at least {minimum}")
+        if v > maximum:
+            raise self.bad(key, f"must be at most {maximum:g}")
         return float(v)
 
     def boolean(self, key: str) -> bool | None:

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_type_hints
 
+from gpusnap.daemon.config_table import MAX_NUMBER, is_finite_number
 from gpusnap.daemon.reclaim._http import check_base_url
 from gpusnap.errors import InvalidArgument
 from gpusnap.storage.manifest import is_workload
@@ -207,10 +208,11 @@ def parse_workload_policy(workload: str, table: Mapping[str, Any]) -> WorkloadPo
     if on_notice not in ("checkpoint", "none"):
         raise InvalidArgument(f"{where} on_notice must be 'checkpoint' or 'none'")
     interval = table.get("checkpoint_interval")
-    if interval is not None and (
-        isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0
-    ):
-        raise InvalidArgument(f"{where} checkpoint_interval must be a number of seconds > 0")
+    if interval is not None and (not is_finite_number(interval) or not 0 < interval <= MAX_NUMBER):
+        raise InvalidArgument(
+            f"{where} checkpoint_interval must be a number of seconds > 0 "
+            f"and at most {MAX_NUMBER:g}"
+        )
     on_rebalance = table.get("checkpoint_on_rebalance", True)
     if not isinstance(on_rebalance, bool):
         raise InvalidArgument(f"{where} checkpoint_on_rebalance must be true or false")

@@ -183,6 +183,8 @@ def test_a_key_file_that_is_missing_or_not_a_key_is_refused_at_load(
         _write_rsa_key(path)
     elif make == "16 bytes":
         path.write_bytes(bytes(16))
+    if path.exists():
+        path.chmod(0o600)  # a key others may read is refused for that reason first
     cfg = tmp_path / "c.toml"
     store = {"key_file": str(signing), key: str(path)}
     cfg.write_text("[store]\n" + "".join(f'{k} = "{v}"\n' for k, v in store.items()))
