@@ -8,23 +8,12 @@ Every problem is an ``InvalidArgument`` whose one-line message names the table a
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gpusnap.daemon.infra.numbers import MAX_INTEGER, MAX_NUMBER, is_finite_number
 from gpusnap.errors import InvalidArgument
-
-# Bounds every numeric key has unless it names tighter ones: no count or size we read comes
-# near 2**53 (beyond it a float loses integers), no time, rate or duration near 10**9
-# (31 years of seconds).
-MAX_INTEGER = 2**53
-MAX_NUMBER = 1e9
-
-
-def is_finite_number(value: Any) -> bool:
-    """A TOML number that is neither nan nor infinite (nor a bool, which Python calls an int)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Table:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_type_hints
 
-from gpusnap.daemon.config_table import MAX_NUMBER, is_finite_number
+from gpusnap.daemon.infra.numbers import MAX_NUMBER, is_finite_number
 from gpusnap.daemon.reclaim._http import check_base_url
 from gpusnap.errors import InvalidArgument
 from gpusnap.storage.manifest import is_workload

@@ -24,16 +24,16 @@ from typing import Any
 
 import pytest
 
-from gpusnap.daemon.containers.criuimg import COMMON_MAGIC
 from gpusnap.daemon.containers.criustats import parse_dump_stats
-from gpusnap.daemon.containers.openfiles import recorded_sizes
+from gpusnap.daemon.host.criuimg import COMMON_MAGIC
+from gpusnap.daemon.host.openfiles import recorded_sizes
 from gpusnap.errors import GpusnapError
 from gpusnap.storage import CheckpointStore
-from gpusnap.storage.backend import open_backend
 from gpusnap.storage.identity import CONFIG_FORMAT, StoreIdentity
 from gpusnap.storage.layout import CONFIG_KEY, chunk_key, manifest_key
 from gpusnap.storage.locks import gc_runs
 from gpusnap.storage.manifest import ENVELOPE_FORMAT, Manifest
+from gpusnap.storage.open import open_backend
 from gpusnap.storage.untrusted import printable
 from tests.storage.store_helpers import Keys, file_store, make_keys, write_src
 
