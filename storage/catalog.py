@@ -19,6 +19,7 @@ from gpusnap.errors import (
     NotFound,
 )
 from gpusnap.storage.backend import Backend
+from gpusnap.storage.binding import check_store_binding
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.layout import (
     MANIFEST_PREFIX,
@@ -56,10 +57,14 @@ def read_manifest(ctx: StoreContext, key: str, *, verify: bool | None = None) ->
         raise Corrupt(f"store object {key} is not a manifest key")
     workload, checkpoint_id = parts
     what = f"manifest {checkpoint_id}"
-    payload = ctx.keys.unseal(ctx.backend.get(key), ENVELOPE_FORMAT, what=what, verify=verify)
+    blob = ctx.backend.get(key)
+    payload = ctx.keys.unseal(blob, ENVELOPE_FORMAT, what=what, verify=verify)
     manifest = Manifest.from_json(payload)
     if manifest.checkpoint_id != checkpoint_id or manifest.workload != workload:
         raise Corrupt(f"manifest {key} describes {manifest.workload}/{manifest.checkpoint_id}")
+    if verify is not False:  # bound to this store, signed within its key's scope
+        check_store_binding(ctx, manifest.store_id, what)
+        ctx.keys.check_scope(blob, workload, manifest.node_id, what)
     return manifest
 
 
