@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +30,19 @@ from gpusnap.storage.catalog import list_manifests
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.highwater import Mark
 from gpusnap.storage.layout import (
+    HEAD_PREFIX,
     HEAD_SEQUENCE_DIGITS,
     head_key,
     head_prefix,
     head_sequence_of_key,
 )
-from gpusnap.storage.manifest import Manifest, ManifestSummary, is_checkpoint_id, is_store_id
+from gpusnap.storage.manifest import (
+    Manifest,
+    ManifestSummary,
+    is_checkpoint_id,
+    is_store_id,
+    is_workload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ class HeadRecord:
     checkpoint_id: str
     store_id: str | None
     key_id: str | None
-    created_at: float
+    checkpoint_created_at: float  # the manifest's created_at
 
     def payload(self) -> bytes:
         body: dict[str, Any] = {
@@ -69,7 +75,7 @@ class HeadRecord:
             "checkpoint_id": self.checkpoint_id,
             "store_id": self.store_id,
             "key_id": self.key_id,
-            "created_at": self.created_at,
+            "checkpoint_created_at": self.checkpoint_created_at,
         }
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -83,7 +89,7 @@ class HeadRecord:
                 body["checkpoint_id"],
                 body["store_id"],
                 body["key_id"],
-                body["created_at"],
+                body["checkpoint_created_at"],
             )
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise Corrupt(f"{what} is not a readable head record") from exc
@@ -95,7 +101,8 @@ class HeadRecord:
             and is_checkpoint_id(head.checkpoint_id)
             and (head.store_id is None or is_store_id(head.store_id))
             and (head.key_id is None or isinstance(head.key_id, str))
-            and isinstance(head.created_at, int | float)
+            and isinstance(head.checkpoint_created_at, int | float)
+            and not isinstance(head.checkpoint_created_at, bool)
         ):
             raise Corrupt(f"{what} has an invalid field")
         return head
@@ -172,7 +179,7 @@ def write_head(ctx: StoreContext, manifest: Manifest) -> HeadRecord | None:
                 manifest.checkpoint_id,
                 manifest.store_id,
                 signer.key_id if signer is not None else None,
-                time.time(),
+                manifest.created_at,
             )
             try:
                 ctx.backend.put(
@@ -238,7 +245,11 @@ def latest_checked(ctx: StoreContext, workload: str, *, allow_rollback: bool = F
                 f"{head.checkpoint_id}), older than sequence {mark.sequence} (checkpoint "
                 f"{mark.checkpoint_id}) this node has seen"
             )
-        if head.checkpoint_id not in {s.checkpoint_id for s in listed}:
+        # The head's checkpoint may be gone and the answer still not older: a newer one
+        # exists (two commits racing: a head may name a checkpoint created before another's).
+        if head.checkpoint_id not in {s.checkpoint_id for s in listed} and not (
+            listed and listed[0].created_at > head.checkpoint_created_at
+        ):
             unreadable = any(key.endswith("/" + head.checkpoint_id) for key, _ in skipped)
             problems.append(
                 f"the head of {workload} (sequence {head.sequence}) names checkpoint "
@@ -261,10 +272,16 @@ def latest_checked(ctx: StoreContext, workload: str, *, allow_rollback: bool = F
     return Latest(listed[0] if listed else None, note)
 
 
-def prune_heads(ctx: StoreContext, workload: str, *, dry_run: bool = False) -> int:
-    """Delete all but the newest ``HEADS_KEPT`` head objects of ``workload``; how many."""
-    old = _listed_heads(ctx, workload)[HEADS_KEPT:]
+def prune_heads(ctx: StoreContext, *, dry_run: bool = False) -> int:
+    """Delete all but the newest ``HEADS_KEPT`` head objects of every workload (gc); how
+    many. A listed name that is not a head is left alone."""
+    by_workload: dict[str, list[str]] = {}
+    for info in ctx.backend.list(HEAD_PREFIX):
+        workload = info.key.removeprefix(HEAD_PREFIX).partition("/")[0]
+        if is_workload(workload) and head_sequence_of_key(info.key, workload) is not None:
+            by_workload.setdefault(workload, []).append(info.key)
+    old = [key for keys in by_workload.values() for key in sorted(keys)[:-HEADS_KEPT]]
     if not dry_run:
-        for _sequence, key in old:
+        for key in old:
             ctx.backend.delete(key)
     return len(old)
