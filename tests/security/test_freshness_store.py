@@ -18,7 +18,9 @@ from gpusnap.storage.heads import HEADS_KEPT, RollbackRefused, read_head
 from gpusnap.storage.keys import UntrustedSigner, export_public_key, seal
 from gpusnap.storage.layout import HEAD_PREFIX, manifest_key
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
+from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import Keys, file_store, make_keys, write_src
+from tests.support.moto_server import MotoServer
 
 
 @pytest.fixture
@@ -156,3 +158,31 @@ def test_the_daemon_and_the_cli_on_one_node_share_marks_through_one_file(
     with opened("two") as two, pytest.raises(RollbackRefused, match="older than sequence 2"):
         two.latest_checked("w")
     assert newest.checkpoint_id in marks.read_text()
+
+
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_heads_on_each_backend_refuse_a_deleted_newest_checkpoint(
+    request: pytest.FixtureRequest, tmp_path: Path, keys: Keys, kind: str, encrypted: bool
+) -> None:
+    url, options = None, None
+    if kind == "s3":
+        moto: MotoServer = request.getfixturevalue("moto_server")
+        url = f"s3://{request.getfixturevalue('s3_bucket')}/ckpt"
+        options = fast_options(moto.endpoint_url)
+    with file_store(tmp_path, keys, url=url, options=options, encrypted=encrypted) as store:
+        older = store.push(_src(tmp_path, "a", 1), workload="w").checkpoint_id
+        newest = store.push(_src(tmp_path, "b", 2), workload="w").checkpoint_id
+        assert _head_sequences(store, "w") == [1, 2]
+        envelope = json.loads(store.backend.get(f"{HEAD_PREFIX}w/0000000000000002"))
+        assert envelope["encryption"] == ("aes-256-gcm" if encrypted else "none")
+        head = read_head(store.context, "w")
+        assert head is not None and head.checkpoint_id == newest
+        assert head.store_id == store.identity.store_id  # type: ignore[union-attr]
+        assert head.key_id == store.context.keys.signer.key_id  # type: ignore[union-attr]
+        store.backend.delete(manifest_key("w", newest))
+        with pytest.raises(RollbackRefused, match=newest):
+            store.latest_checked("w")
+        accepted = store.latest_checked("w", allow_rollback=True)
+        assert accepted.summary is not None and accepted.summary.checkpoint_id == older
+        assert accepted.note is not None and "accepted (--allow-rollback)" in accepted.note
