@@ -4,7 +4,6 @@ the high-water marks shared by the daemon and the CLI on one node."""
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import re
@@ -15,11 +14,10 @@ import pytest
 
 from gpusnap.storage import CheckpointStore, open_store
 from gpusnap.storage.heads import HEADS_KEPT, RollbackRefused, read_head
-from gpusnap.storage.keys import UntrustedSigner, export_public_key, seal
+from gpusnap.storage.keys import UntrustedSigner, export_public_key
 from gpusnap.storage.layout import HEAD_PREFIX, manifest_key
-from gpusnap.storage.manifest import ENVELOPE_FORMAT
 from tests.storage.conftest import fast_options
-from tests.storage.store_helpers import Keys, file_store, make_keys, write_src
+from tests.storage.store_helpers import Keys, file_store, make_keys, unbind_manifest, write_src
 from tests.support.moto_server import MotoServer
 
 
@@ -109,15 +107,7 @@ def test_a_legacy_manifest_without_a_store_id_is_accepted_with_one_note(
     src = _src(tmp_path, "src", 2)
     with file_store(tmp_path, keys) as store:
         pushed = store.push(src, workload="w")
-        key = manifest_key("w", pushed.checkpoint_id)
-        envelope = json.loads(store.backend.get(key))
-        body = json.loads(base64.b64decode(envelope["payload"]))
-        assert body["store_id"] == pushed.store_id
-        del body["store_id"]
-        payload = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        signer = store.context.keys.signer
-        store.backend.delete(key)
-        store.backend.put(key, seal(ENVELOPE_FORMAT, payload, signer=signer, encryption=None))
+        assert unbind_manifest(store, "w", pushed.checkpoint_id) == pushed.store_id
         with caplog.at_level(logging.WARNING, logger="gpusnap.storage"):
             assert store.manifest(pushed.checkpoint_id).store_id is None
             store.pull(pushed.checkpoint_id, tmp_path / "dest")
