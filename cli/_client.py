@@ -90,6 +90,7 @@ class RestoreRequest(TypedDict, total=False):
     workload: str | None
     latest: bool
     name: str | None
+    allow_rollback: bool
 
 
 def _given(request: Mapping[str, object]) -> dict[str, Any]:

@@ -327,6 +327,16 @@ def backend_options(args: argparse.Namespace) -> BackendOptions:
     )
 
 
+def add_allow_rollback(p: argparse.ArgumentParser) -> None:
+    """``--allow-rollback``: for commands that pick a workload's latest checkpoint."""
+    p.add_argument(
+        "--allow-rollback",
+        action="store_true",
+        help="accept an older checkpoint as the latest when the store's head record is "
+        "missing, older than this node has seen, or names a checkpoint the store lacks",
+    )
+
+
 def trusted_keys(args: argparse.Namespace) -> list[Path]:
     """``--trusted-keys`` (repeatable), else ``GPUSNAP_TRUSTED_KEYS`` (``:``-separated)."""
     given: list[Path] | None = getattr(args, "trusted_keys", None)

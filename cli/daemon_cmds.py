@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from gpusnap.cli._client import DaemonClient, connect, query
-from gpusnap.cli._common import Subparsers, add_command, stderr_is_tty
+from gpusnap.cli._common import Subparsers, add_allow_rollback, add_command, stderr_is_tty
 from gpusnap.cli._output import (
     PROG,
     emit,
@@ -70,6 +70,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("checkpoint_id", nargs="?", metavar="ID", help="the checkpoint to restore")
     p.add_argument("--workload", metavar="NAME", help="with --latest: this workload's newest")
     p.add_argument("--latest", action="store_true", help="the workload's newest checkpoint")
+    add_allow_rollback(p)
     p.add_argument(
         "--name", metavar="NEW", help="a container checkpoint: restore as this container"
     )
@@ -288,6 +289,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             workload=args.workload,
             latest=args.latest,
             name=args.name,
+            allow_rollback=args.allow_rollback,
         )
         return _queued_or_followed(args, client, job, RESTORE_WAIT_KEYS)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpusnap.cli._common import (
     Subparsers,
+    add_allow_rollback,
     add_command,
     add_group,
     common_parser,
@@ -94,6 +95,21 @@ def register(subparsers: Subparsers) -> None:
 
     p = add_command(sub, "ls", cmd_ls, "list checkpoints, newest first", parents)
     p.add_argument("--workload", metavar="NAME", help="only this workload's checkpoints")
+
+    p = add_command(
+        sub,
+        "latest",
+        cmd_latest,
+        "the newest checkpoint of a workload, checked for rollback",
+        parents,
+    )
+    p.add_argument("--workload", required=True, metavar="NAME", help="workload name")
+    add_allow_rollback(p)
+    p.epilog = (
+        "Refused (exit 4) when the workload's head record names a checkpoint the store no "
+        "longer has, or is older than the newest head this node has seen (kept in "
+        "heads.json in --cache-dir, default the store's chunk-index directory)."
+    )
 
     p = add_command(sub, "show", cmd_show, "describe one checkpoint", parents)
     p.add_argument("checkpoint_id", metavar="ID")
@@ -275,6 +291,21 @@ def _report_skipped(skipped: list[tuple[str, GpusnapError]]) -> None:
             f"gpusnap: error: {len(skipped)} manifest(s) left out, not readable or not "
             f"authentic (first: {key}: {err})\n"
         )
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    with _opened(args) as store:
+        latest = store.latest_checked(args.workload, allow_rollback=args.allow_rollback)
+    found = latest.summary
+    if latest.note is not None:
+        sys.stderr.write(f"gpusnap: note: {latest.note}\n")
+    if found is None:
+        raise NotFound(f"workload {args.workload} has no checkpoint in the store")
+    if args.json:
+        print_json(found.as_dict())
+    else:
+        out(found.checkpoint_id)
+    return EXIT_OK
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -266,6 +266,7 @@ class DaemonService:
         workload: str | None = None,
         latest: bool = False,
         name: str | None = None,
+        allow_rollback: bool = False,
     ) -> Job:
         if name is not None:
             check_container_name(name)
@@ -282,8 +283,13 @@ class DaemonService:
         else:
             raise InvalidArgument("give a checkpoint id, or --workload NAME --latest")
         self.node.require_verified("restore")
+        if allow_rollback and not latest:
+            raise InvalidArgument("--allow-rollback goes with --workload NAME --latest")
         plan = RestorePlan(
-            checkpoint_id=checkpoint_id or None, workload=workload or None, name=name
+            checkpoint_id=checkpoint_id or None,
+            workload=workload or None,
+            name=name,
+            allow_rollback=allow_rollback,
         )
         node = self.node
         return self.executor.submit(

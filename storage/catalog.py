@@ -19,6 +19,7 @@ from gpusnap.errors import (
     NotFound,
 )
 from gpusnap.storage.backend import Backend
+from gpusnap.storage.binding import check_store_binding
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.layout import (
     MANIFEST_PREFIX,
@@ -76,6 +77,9 @@ def read_manifest(ctx: StoreContext, key: str, *, verify: bool | None = None) ->
     manifest = Manifest.from_json(payload)
     if manifest.checkpoint_id != checkpoint_id or manifest.workload != workload:
         raise Corrupt(f"manifest {key} describes {manifest.workload}/{manifest.checkpoint_id}")
+    if verify is not False:  # bound to this store, signed within its key's scope
+        check_store_binding(ctx, manifest.store_id, what)
+        ctx.keys.check_scope(blob, workload, manifest.node_id, what)
     return manifest
 
 

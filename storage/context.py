@@ -25,6 +25,7 @@ from gpusnap.storage.backend import Backend
 from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.codec import ChunkCodec
+from gpusnap.storage.highwater import HighWaterMarks
 from gpusnap.storage.identity import IdentityCell, StoreIdentity, read_identity
 from gpusnap.storage.index import ChunkIndex, default_cache_dir
 from gpusnap.storage.keys import StoreKeys
@@ -87,6 +88,8 @@ class StoreContext:
     options: StoreOptions = StoreOptions()
     # This store's part of the node's chunk cache (``storage/cache``), when there is one.
     cache: StoreCache | None = None
+    # The node's high-water marks of head records (``highwater.py``; ``heads.py``).
+    marks: HighWaterMarks | None = None
 
     @property
     def store_identity(self) -> StoreIdentity | None:
@@ -113,11 +116,14 @@ def open_context(
     chunker: Chunker | None = None,
     options: StoreOptions | None = None,
     chunk_cache: ChunkCache | None = None,
+    high_water_file: Path | None = None,
 ) -> StoreContext:
     """The context of the store on ``backend``; the backend is the caller's to close on error.
 
     ``chunk_cache`` (the node's, the caller's to close) is read before the store and filled
     from it; the context uses this store's scope of it only (``cache_key``).
+    ``high_water_file`` keeps the node's marks of head records (default: ``heads.json`` in
+    the cache dir).
     """
     found = read_identity(backend, keys)
     if chunker is None:
@@ -144,6 +150,7 @@ def open_context(
         identity=IdentityCell(found),
         options=options or StoreOptions(),
         cache=None if chunk_cache is None else _store_cache(chunk_cache, backend, codec),
+        marks=HighWaterMarks(high_water_file or cache / "heads.json"),
     )
 
 

@@ -20,6 +20,7 @@ from gpusnap.errors import Corrupt, FailedPrecondition, GpusnapError, InvalidArg
 from gpusnap.storage.backend import ObjectInfo, release_space_reserve, restore_space_reserve
 from gpusnap.storage.catalog import read_manifest
 from gpusnap.storage.context import StoreContext
+from gpusnap.storage.heads import prune_heads
 from gpusnap.storage.keys import UntrustedSigner
 from gpusnap.storage.layout import (
     CHUNK_PREFIX,
@@ -80,6 +81,9 @@ def collect(
         _gc_locks(ctx, report, dry_run)
         if keep_last is not None:
             _gc_retention(ctx, report, keep_last, dry_run)
+        pruned = prune_heads(ctx, dry_run=dry_run)  # the newest heads are all a reader uses
+        if pruned:
+            log.info("gc: %d old head record(s) %s", pruned, "to prune" if dry_run else "pruned")
         if not report.blocked_by:
             if record is not None:
                 # Pushes that overlap a sweeping gc re-check their chunks; say so first.

@@ -17,6 +17,7 @@ Two kinds of file, two jobs:
 from __future__ import annotations
 
 import base64
+import fnmatch
 import json
 import logging
 import os
@@ -161,11 +162,76 @@ def public_key_path(private_key_file: Path) -> Path:
 
 
 @dataclass(frozen=True)
+class KeyScope:
+    """What a trusted key may sign: workloads (``fnmatch`` patterns) and nodes (the stamp's
+    ``host.node_id``); ``None`` leaves that side open. Read from ``<key file>.scope``."""
+
+    workloads: tuple[str, ...] | None = None
+    nodes: tuple[str, ...] | None = None
+
+    def refusal(self, workload: str, node: str | None) -> str | None:
+        """Why a record of ``workload`` made on ``node`` is outside this scope, or ``None``."""
+        if self.workloads is not None and not any(
+            fnmatch.fnmatchcase(workload, p) for p in self.workloads
+        ):
+            return f"workload {workload} is not in its scope (workloads={','.join(self.workloads)})"
+        if self.nodes is not None and (
+            node is None or not any(fnmatch.fnmatchcase(node, p) for p in self.nodes)
+        ):
+            return f"node {node or '(none)'} is not in its scope (nodes={','.join(self.nodes)})"
+        return None
+
+
+SCOPE_SUFFIX = ".scope"
+
+
+def load_scope(key_path: Path) -> KeyScope | None:
+    """The scope in ``<key_path>.scope`` (lines ``workloads = a,b`` / ``nodes = x``, ``#``
+    comments); ``None`` when there is no such file (the key signs any workload)."""
+    path = key_path.with_name(key_path.name + SCOPE_SUFFIX)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"cannot read key scope {path}: {exc}") from exc
+    found: dict[str, tuple[str, ...]] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        names = tuple(v.strip() for v in value.split(",") if v.strip())
+        if not sep or name not in ("workloads", "nodes") or name in found or not names:
+            raise InvalidArgument(
+                f"key scope {path} line {number}: expected one 'workloads = A,B' and/or "
+                "'nodes = X,Y' line, each naming at least one"
+            )
+        found[name] = names
+    if not found:
+        raise InvalidArgument(f"key scope {path} names no workloads or nodes")
+    return KeyScope(found.get("workloads"), found.get("nodes"))
+
+
+def envelope_key_id(blob: bytes) -> str | None:
+    """The ``key_id`` an envelope names (unauthenticated: use it after ``unseal`` passed)."""
+    try:
+        envelope = json.loads(blob)
+    except (ValueError, RecursionError):
+        return None
+    key_id = envelope.get("key_id") if isinstance(envelope, dict) else None
+    return key_id if isinstance(key_id, str) else None
+
+
+@dataclass(frozen=True)
 class SigningKey:
-    """An Ed25519 key; ``private_key`` is ``None`` on verify-only nodes."""
+    """An Ed25519 key; ``private_key`` is ``None`` on verify-only nodes. ``scope`` limits
+    what a trusted key's signature is accepted for (``KeyScope``); a node's own key has none."""
 
     public_key: Ed25519PublicKey
     private_key: Ed25519PrivateKey | None
+    scope: KeyScope | None = None
 
     @property
     def key_id(self) -> str:
@@ -239,7 +305,7 @@ PUBLIC_KEY_SUFFIX = ".pub"
 def load_public_key(path: Path) -> SigningKey:
     """A PEM Ed25519 public key file; a private key is refused (it would spread a secret)."""
     key = load_signing_key(path, public_only=True)
-    return SigningKey(key.public_key, None)
+    return SigningKey(key.public_key, None, load_scope(path))
 
 
 def load_trusted_keys(paths: Iterable[Path]) -> tuple[SigningKey, ...]:
@@ -439,6 +505,21 @@ class StoreKeys:
             what=what,
             trusted={k.key_id: k for k in self.trusted},
         )
+
+    def check_scope(self, blob: bytes, workload: str, node: str | None, what: str) -> None:
+        """Refuse (``UntrustedSigner``) ``blob``, already unsealed, if its signer is a trusted
+        key whose scope does not cover ``workload`` (and ``node``)."""
+        if not self.verify or all(k.scope is None for k in self.trusted):
+            return
+        key_id = envelope_key_id(blob)
+        if self.signer is not None and key_id == self.signer.key_id:
+            return
+        scoped = next((k for k in self.trusted if k.key_id == key_id), None)
+        why = (
+            None if scoped is None or scoped.scope is None else scoped.scope.refusal(workload, node)
+        )
+        if why is not None:
+            raise UntrustedSigner(f"{what} is signed by key {key_id}, but {why}", key_id)
 
     def check_can_push(self) -> None:
         """Refuse, before any upload, a push whose manifest could not be signed."""

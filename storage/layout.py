@@ -8,6 +8,7 @@
     locks/push-<ckpt id>            a push in flight (refreshed while it runs; locks.py)
     locks/gc-<gc id>                a gc run: started, swept, then its finish time (locks.py)
     migrations/<ckpt id>/<name>     signed records of the migration protocol (records.py)
+    heads/<workload>/<sequence>     signed head records: a workload's newest checkpoint (heads.py)
 
 Any other key is ignored by the store. Beside its keys, the root of a ``file://`` store holds
 names that no key may take and no listing shows: the space reserve (``RESERVE_NAME``) and the
@@ -34,9 +35,12 @@ PUSH_LOCK_PREFIX = f"{LOCK_PREFIX}push-"
 GC_RECORD_PREFIX = f"{LOCK_PREFIX}gc-"
 # Signed records of the migration protocol (the daemon's board, through records.py).
 MIGRATION_PREFIX = "migrations/"
+# Signed per-workload head records, one per commit, created only if absent (heads.py).
+HEAD_PREFIX = "heads/"
+HEAD_SEQUENCE_DIGITS = 16
 # The prefixes whose objects the store itself writes and interprets: no namespace of signed
 # records may lie under (or over) one of them.
-STORE_PREFIXES = (CONFIG_KEY, CHUNK_PREFIX, MANIFEST_PREFIX, LOCK_PREFIX)
+STORE_PREFIXES = (CONFIG_KEY, CHUNK_PREFIX, MANIFEST_PREFIX, LOCK_PREFIX, HEAD_PREFIX)
 
 # In a ``file://`` store's root, never keys: the space reserve a gc releases on a full disk
 # (docs/design.md, "gc and retention"), and the temp files of puts in flight.
@@ -86,6 +90,23 @@ def split_manifest_key(key: str) -> tuple[str, str] | None:
     if key == rest or not is_workload(workload) or not is_checkpoint_id(checkpoint_id):
         return None
     return workload, checkpoint_id
+
+
+def head_key(workload: str, sequence: int) -> str:
+    """``heads/<workload>/<sequence, 16 digits>``: so a listing sorts heads by sequence."""
+    return f"{HEAD_PREFIX}{check_workload(workload)}/{sequence:0{HEAD_SEQUENCE_DIGITS}d}"
+
+
+def head_prefix(workload: str) -> str:
+    return f"{HEAD_PREFIX}{check_workload(workload)}/"
+
+
+def head_sequence_of_key(key: str, workload: str) -> int | None:
+    """The sequence a key under ``heads/<workload>/`` names; ``None`` for any other key."""
+    name = key.removeprefix(head_prefix(workload))
+    if name == key or len(name) != HEAD_SEQUENCE_DIGITS or not name.isdigit() or not name.isascii():
+        return None
+    return int(name)
 
 
 def push_lock_key(checkpoint_id: str) -> str:

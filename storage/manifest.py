@@ -63,6 +63,14 @@ def is_workload(value: str) -> bool:
     return isinstance(value, str) and bool(_WORKLOAD.fullmatch(value))
 
 
+_STORE_ID = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def is_store_id(value: object) -> bool:
+    """A store id as ``config`` holds it (``identity.py``): 32 hex digits."""
+    return isinstance(value, str) and bool(_STORE_ID.fullmatch(value))
+
+
 def is_chunk_id(value: str) -> bool:
     return bool(_CHUNK_ID.fullmatch(value))
 
@@ -109,9 +117,20 @@ class Manifest:
     totals: dict[str, Any]
     extra: dict[str, Any]
     schema_version: int = SCHEMA_VERSION
+    # The id of the store the checkpoint was pushed into (docs/design.md, "Binding"); signed
+    # with the rest, so the manifest cannot pass in another store. ``None``: a legacy one.
+    store_id: str | None = None
+
+    @property
+    def node_id(self) -> str | None:
+        """The node that made it (the stamp's ``host.node_id``), for key scopes."""
+        host = self.stamp.get("host")
+        node = host.get("node_id") if isinstance(host, dict) else None
+        return node if isinstance(node, str) else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        bound = {} if self.store_id is None else {"store_id": self.store_id}
+        return bound | {
             "schema_version": self.schema_version,
             "checkpoint_id": self.checkpoint_id,
             "workload": self.workload,
@@ -222,7 +241,11 @@ def _parse(data: Any) -> Manifest:
             if parent_dir in seen:
                 raise Corrupt(f"manifest uses {parent_dir!r} as both a file and a directory")
             parent_dir = parent_dir.rpartition("/")[0]
+    store_id = data.get("store_id")
+    if store_id is not None and not is_store_id(store_id):
+        raise Corrupt(f"manifest has an invalid store id {str(store_id)[:80]!r}")
     return Manifest(
+        store_id=store_id,
         checkpoint_id=checkpoint_id,
         workload=workload,
         created_at=float(created_at),

@@ -32,6 +32,7 @@ from gpusnap.storage.chunker import Chunker
 from gpusnap.storage.confirm import ChunkProof, refresh_identity
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.growing import growing_file_input
+from gpusnap.storage.heads import write_head
 from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.locks import push_lock, sync_index_if_gc_ran
 from gpusnap.storage.manifest import (
@@ -205,8 +206,10 @@ def push_tree(
                 "seconds": round(seconds, 3),
             },
             extra=_with_streams(extra, kinds),
+            store_id=identity.store_id if identity is not None else None,
         )
         write_manifest(ctx, manifest)
+        write_head(ctx, manifest)
     if progress is not None:
         progress(stats.bytes_total, stats.bytes_total)
     log.info(

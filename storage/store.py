@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from gpusnap.errors import GpusnapError, InvalidArgument
-from gpusnap.storage import catalog, gc, prefetch, pull, push, verify
+from gpusnap.storage import catalog, gc, heads, prefetch, pull, push, verify
 from gpusnap.storage.backend import Backend, BackendOptions
 from gpusnap.storage.cache import ChunkCache, StoreCache
 from gpusnap.storage.context import StoreContext, open_context
 from gpusnap.storage.gc import GcReport
+from gpusnap.storage.heads import Latest
 from gpusnap.storage.identity import StoreIdentity
 from gpusnap.storage.index import ChunkIndex, rebuild_index
 from gpusnap.storage.keys import (
@@ -232,8 +233,17 @@ class CheckpointStore:
         return catalog.checkpoint_ids(self.context, workload)
 
     def latest(self, workload: str) -> ManifestSummary | None:
+        """The newest checkpoint of ``workload`` this node can read; no freshness check (for
+        choosing a parent, a status line). What is restored goes through ``latest_checked``."""
         found = self.list(workload)
         return found[0] if found else None
+
+    def latest_checked(self, workload: str, *, allow_rollback: bool = False) -> Latest:
+        """``latest``, refused (``RollbackRefused``, exit 4) when the workload's newest head
+        record names a checkpoint the store no longer has, or is older than this node's
+        high-water mark; ``allow_rollback`` accepts what the store holds (``heads.py``).
+        ``Latest.note`` says when the answer is not vouched for (no head yet, or accepted)."""
+        return heads.latest_checked(self.context, workload, allow_rollback=allow_rollback)
 
     # --- pull ---------------------------------------------------------------------------
 
@@ -358,6 +368,7 @@ def open_store(
     workers: int | None = None,
     trusted_keys: Collection[Path] = (),
     chunk_cache: ChunkCache | None = None,
+    high_water_file: Path | None = None,
 ) -> CheckpointStore:
     """Open the checkpoint store at ``url`` (``file:///path`` or ``s3://bucket/prefix``).
 
@@ -369,7 +380,9 @@ def open_store(
 
     ``cache_dir`` holds the store's chunk index; ``chunk_cache`` is the node's chunk cache
     (``storage.cache.ChunkCache``, the caller's to close, after the store), which pulls read
-    before the store and fill, and pushes may seed.
+    before the store and fill, and pushes may seed. ``high_water_file`` holds the node's
+    marks of the head records it has seen (``storage/highwater.py``; default ``heads.json``
+    in ``cache_dir``).
     """
     signer = load_signing_key(key_file) if key_file is not None else None
     encryption = load_encryption_key(encryption_key_file) if encryption_key_file else None
@@ -381,7 +394,12 @@ def open_store(
         keys = StoreKeys(signer, encryption, verify, trusted)
         return CheckpointStore(
             open_context(
-                backend, keys, cache_dir=cache_dir, workers=workers, chunk_cache=chunk_cache
+                backend,
+                keys,
+                cache_dir=cache_dir,
+                workers=workers,
+                chunk_cache=chunk_cache,
+                high_water_file=high_water_file,
             )
         )
     except BaseException:

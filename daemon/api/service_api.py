@@ -38,6 +38,7 @@ class RestoreArgs(TypedDict):
     workload: str | None
     latest: bool
     name: str | None  # restore a container checkpoint as this container
+    allow_rollback: bool  # with latest: accept what the store holds (storage/heads.py)
 
 
 class DaemonServiceAPI(Protocol):

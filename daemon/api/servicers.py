@@ -129,6 +129,7 @@ class RestoresServicer(_Servicer, pb_grpc.RestoresServicer):
             workload=request.workload or None,
             latest=request.latest,
             name=request.name or None,
+            allow_rollback=request.allow_rollback,
         )
         return wire.job_to_pb(job)
 

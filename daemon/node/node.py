@@ -89,6 +89,7 @@ class StoreHandle:
                         cache_dir=s.cache_dir or (self._config.daemon.state_dir / "cache"),
                         workers=s.workers,
                         chunk_cache=self._chunk_cache(),
+                        high_water_file=self._config.daemon.state_dir / "heads.json",
                     )
                 except GpusnapError as err:
                     self.last_error = str(err)

@@ -42,6 +42,7 @@ class RestorePlan:
     checkpoint_id: str | None
     workload: str | None
     name: str | None = None  # a container checkpoint restored under another name
+    allow_rollback: bool = False  # the latest may be older than the head records promise
 
 
 def run_restore(node: Node, ctx: JobContext, plan: RestorePlan) -> None:
@@ -142,7 +143,7 @@ def _manifest(store: CheckpointStore, plan: RestorePlan) -> Manifest:
     checkpoint_id = plan.checkpoint_id
     if checkpoint_id is None:
         assert plan.workload is not None
-        latest = store.latest(plan.workload)
+        latest = store.latest_checked(plan.workload, allow_rollback=plan.allow_rollback).summary
         if latest is None:
             raise NotFound(f"workload {plan.workload} has no checkpoint in the store")
         checkpoint_id = latest.checkpoint_id

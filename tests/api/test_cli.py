@@ -91,14 +91,28 @@ def test_restore_latest_of_a_workload(server: Path, service: FakeService) -> Non
     assert proc.returncode == 0, proc.stderr
     assert service.last_call() == (
         "restore",
-        {"checkpoint_id": None, "workload": "llm", "latest": True, "name": None},
+        {
+            "checkpoint_id": None,
+            "workload": "llm",
+            "latest": True,
+            "name": None,
+            "allow_rollback": False,
+        },
     )
+    run_cli(server, "restore", "--workload", "llm", "--latest", "--allow-rollback", "--json")
+    assert service.last_call()[1]["allow_rollback"] is True
     # Which of ID, --workload and --latest go together is the service's to say (see
     # test_real_service.py); the CLI passes on what it was given.
     assert run_cli(server, "restore", "--workload", "llm").returncode == 0
     assert service.last_call() == (
         "restore",
-        {"checkpoint_id": None, "workload": "llm", "latest": False, "name": None},
+        {
+            "checkpoint_id": None,
+            "workload": "llm",
+            "latest": False,
+            "name": None,
+            "allow_rollback": False,
+        },
     )
     assert run_cli(server, "restore", "ckpt-1", "--name", "llm-copy").returncode == 0
     assert service.calls[-1][1]["name"] == "llm-copy"

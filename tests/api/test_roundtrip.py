@@ -71,7 +71,13 @@ def test_restore_compat_and_lists(client: DaemonClient, service: FakeService) ->
     job = client.restore(workload="llm", latest=True)
     assert service.last_call() == (
         "restore",
-        {"checkpoint_id": None, "workload": "llm", "latest": True, "name": None},
+        {
+            "checkpoint_id": None,
+            "workload": "llm",
+            "latest": True,
+            "name": None,
+            "allow_rollback": False,
+        },
     )
     assert job["kind"] == "restore"
     client.restore(checkpoint_id="ckpt-1")

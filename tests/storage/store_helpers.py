@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -19,7 +21,9 @@ from gpusnap.storage import (
     generate_signing_key,
     open_store,
 )
-from gpusnap.storage.keys import generate_encryption_key
+from gpusnap.storage.keys import generate_encryption_key, seal
+from gpusnap.storage.layout import manifest_key
+from gpusnap.storage.manifest import ENVELOPE_FORMAT
 
 MiB = 1024 * 1024
 
@@ -157,3 +161,17 @@ def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def unbind_manifest(store: CheckpointStore, workload: str, checkpoint_id: str) -> str:
+    """Re-sign a manifest without its ``store_id``, as one made before checkpoints were bound
+    to their store; returns the id it had."""
+    key = manifest_key(workload, checkpoint_id)
+    envelope = json.loads(store.backend.get(key))
+    body = json.loads(base64.b64decode(envelope["payload"]))
+    store_id: str = body.pop("store_id")
+    payload = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    signer = store.context.keys.signer
+    store.backend.delete(key)
+    store.backend.put(key, seal(ENVELOPE_FORMAT, payload, signer=signer, encryption=None))
+    return store_id

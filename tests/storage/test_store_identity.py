@@ -27,6 +27,7 @@ from tests.storage.store_helpers import (
     pushed_file_store,
     random_bytes,
     tree_contents,
+    unbind_manifest,
     write_src,
 )
 
@@ -148,7 +149,9 @@ def test_a_store_made_before_configs_existed_gets_one_on_the_next_push_and_still
     src = _src(tmp_path / "src")
     with file_store(tmp_path, keys) as store:
         first = store.push(src, workload="w")
-    (tmp_path / "store" / CONFIG_KEY).unlink()  # as the store looked before issue 12
+        # As the store looked before issue 12: no config, and manifests not bound to one.
+        unbind_manifest(store, "w", first.checkpoint_id)
+    (tmp_path / "store" / CONFIG_KEY).unlink()
     with file_store(tmp_path, keys, cache="fresh-cache") as store:
         assert store.identity is None
         second = store.push(src, workload="w")

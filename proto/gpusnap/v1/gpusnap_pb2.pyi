@@ -403,6 +403,7 @@ class RestoreRequest(_message.Message):
     WORKLOAD_FIELD_NUMBER: _builtins.int
     LATEST_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    ALLOW_ROLLBACK_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """either this,"""
     workload: _builtins.str
@@ -410,6 +411,8 @@ class RestoreRequest(_message.Message):
     latest: _builtins.bool
     name: _builtins.str
     """a container checkpoint restored as this container; empty: its own name"""
+    allow_rollback: _builtins.bool
+    """with latest: accept an older checkpoint than the head records promise"""
     def __init__(
         self,
         *,
@@ -417,10 +420,11 @@ class RestoreRequest(_message.Message):
         workload: _builtins.str = ...,
         latest: _builtins.bool = ...,
         name: _builtins.str = ...,
+        allow_rollback: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "latest", b"latest", "name", b"name", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_rollback", b"allow_rollback", "checkpoint_id", b"checkpoint_id", "latest", b"latest", "name", b"name", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
