@@ -21,7 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.api.listeners import TcpListenerConfig, start_server, stop_server
 from gpusnap.errors import EXIT_DAEMON_UNREACHABLE, AlreadyExists, FailedPrecondition
-from tests.api.conftest import REPO, FakeService
+from tests.api.fake_service import REPO, FakeService
 from tests.support.tls import Ca, free_port
 
 GROUP = "gpusnap"

@@ -24,9 +24,9 @@ from gpusnap.errors import (
     EXIT_USAGE,
 )
 from tests.cli._cli import Cli, Result
-from tests.e2e.conftest import Node, Nodes
 from tests.support import workloads
 from tests.support.criu import criu_or_skip
+from tests.support.daemons import Node, Nodes
 from tests.support.tls import Ca, free_port
 
 # Neither comes from the environment of whoever runs the tests unless a test sets it.

@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import _subreaper, started  # noqa: F401 - fixtures
-
 FIGURES_ENV = "GPUSNAP_FIGURES"
 
 
@@ -39,6 +37,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.gpu)
         if why:
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(autouse=True)
+def _adopt_orphans(child_subreaper: None) -> None:
+    """Every test here runs as the orphans' subreaper (``child_subreaper``)."""
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from gpusnap.daemon.verdict import CompatVerdict, Reason
 from gpusnap.errors import Corrupt, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore
-from tests.reclaim.conftest import StoreSpec
+from tests.reclaim.stores import StoreSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,7 +120,7 @@ CHILD = r"""
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from tests.reclaim.conftest import StoreSpec
+from tests.reclaim.stores import StoreSpec
 from gpusnap.daemon.reclaim.board import MigrationBoard, StoreRecords
 spec = StoreSpec({url!r}, Path({key!r}), {endpoint!r})
 store = spec.open(Path({cache!r}))

@@ -4,46 +4,14 @@ checkpoint store on it); S3 is the suite's one moto server (tests/conftest.py)."
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpusnap.storage import CheckpointStore
-from gpusnap.storage.backend import Backend, BackendOptions, open_backend
-from tests.storage.store_helpers import Keys, file_store, make_keys
-from tests.support.moto_server import TEST_REGION, MotoServer
-
-# Small enough that a 12 MiB object goes up in three real parts (S3's floor is 5 MiB).
-MULTIPART_THRESHOLD = 5 * 1024 * 1024 + 1
-MULTIPART_CHUNKSIZE = 5 * 1024 * 1024
-
-
-def fast_options(endpoint_url: str | None = None, **overrides: Any) -> BackendOptions:
-    """Options with small multipart sizes and fast retries, for every storage test."""
-    values: dict[str, Any] = {
-        "endpoint_url": endpoint_url,
-        "region": TEST_REGION,
-        "addressing_style": "path",
-        "multipart_threshold": MULTIPART_THRESHOLD,
-        "multipart_chunksize": MULTIPART_CHUNKSIZE,
-        "retry_attempts": 4,
-        "retry_base_delay": 0.01,
-        "retry_max_delay": 0.05,
-    }
-    values.update(overrides)
-    return BackendOptions(**values)
-
-
-@dataclass
-class StoreUnderTest:
-    kind: str  # "file" | "s3"
-    backend: Backend
-    root: Path | None = None  # file: the directory
-    bucket: str | None = None  # s3: the bucket; objects live under ``prefix``
-    prefix: str = ""
-    moto: MotoServer | None = None
+from gpusnap.storage.backend import open_backend
+from tests.storage.store_helpers import Keys, StoreUnderTest, fast_options, file_store, make_keys
+from tests.support.moto_server import MotoServer
 
 
 @pytest.fixture(params=["file", "s3"])

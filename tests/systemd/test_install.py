@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.systemd.conftest import Payload, changed_wheel
 from tests.systemd.nspawn import REPO
+from tests.systemd.payload import Payload, changed_wheel
 
 pytestmark = pytest.mark.slow
 

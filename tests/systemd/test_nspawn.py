@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.systemd.conftest import KEY_FILE, Payload, changed_wheel, install_command
 from tests.systemd.nspawn import FREEZABLE_DIR, Container
+from tests.systemd.payload import KEY_FILE, Payload, changed_wheel, install_command
 
 pytestmark = [pytest.mark.nspawn, pytest.mark.slow]
 
