@@ -28,6 +28,10 @@ GROUP = "gpusnap"
 OUTSIDER = "gpusnap-test-outsider"
 MEMBER = "gpusnap-test-member"
 
+# useradd/groupadd/usermod write /etc/passwd and /etc/group under a lock that a second one
+# fails on (exit 10): every test of this module runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("etc-passwd")
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("useradd") is None,
     reason="needs root with useradd/groupadd to create test users",

@@ -42,6 +42,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         item.add_marker(pytest.mark.criu)
         item.add_marker(pytest.mark.slow)
+        # One xdist worker runs them all: the session's podman roots (the image loaded into
+        # two roots) and each module's containerd are made once, not once per worker, and
+        # the containerd of test_containerd.py runs its containers under one fixed namespace.
+        item.add_marker(pytest.mark.xdist_group("containers"))
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
 

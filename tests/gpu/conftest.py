@@ -27,6 +27,7 @@ def _gpu_missing() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     ours = [i for i in items if here in Path(str(i.fspath)).parents]
@@ -35,6 +36,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     why = _gpu_missing()
     for item in ours:
         item.add_marker(pytest.mark.gpu)
+        # The machine's one GPU (its free memory is measured): one xdist worker uses it.
+        item.add_marker(pytest.mark.xdist_group("gpu"))
         if why:
             item.add_marker(pytest.mark.skip(reason=why))
 

@@ -19,7 +19,8 @@ import pytest
 from tests.systemd.nspawn import FREEZABLE_DIR, Container
 from tests.systemd.payload import KEY_FILE, Payload, changed_wheel, install_command
 
-pytestmark = [pytest.mark.nspawn, pytest.mark.slow]
+# One booted container for the session (``machine``): on one xdist worker, not booted per worker.
+pytestmark = [pytest.mark.nspawn, pytest.mark.slow, pytest.mark.xdist_group("nspawn")]
 
 UNIT = "gpusnapd.service"
 DROPIN_DIR = "/etc/systemd/system/gpusnapd.service.d"
