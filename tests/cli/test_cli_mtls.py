@@ -102,7 +102,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Daemo
         ),
     )
     try:
-        node.start()  # ready once its socket answers; the TCP listener is bound before that
+        node.start()  # READY=1 comes once the socket and the TCP listener are both bound
         yield Daemon(node, address, pki, pid_file)
     finally:
         nodes.close()

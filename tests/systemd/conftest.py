@@ -76,7 +76,12 @@ def payload() -> Iterator[Payload]:
             building = CACHE / f"wheelhouse-{key[:16]}.{os.getpid()}"
             shutil.rmtree(building, ignore_errors=True)
             _pip("wheel", "--prefer-binary", "-w", str(building), *reqs)
-            building.rename(wheelhouse)
+            try:
+                building.rename(wheelhouse)
+            except OSError:  # another session (an xdist worker) built it meanwhile
+                if not wheelhouse.is_dir():
+                    raise
+                shutil.rmtree(building, ignore_errors=True)
         yield Payload(wheel, wheelhouse)
     finally:
         shutil.rmtree(session, ignore_errors=True)

@@ -19,7 +19,8 @@ import pytest
 from tests.systemd.nspawn import FREEZABLE_DIR, Container
 from tests.systemd.payload import KEY_FILE, Payload, changed_wheel, install_command
 
-# One booted container for the session (``machine``): on one xdist worker, not booted per worker.
+# One booted container (``machine``) and one wheel (``payload``) for the session: on one xdist
+# worker, not made once per worker.
 pytestmark = [pytest.mark.nspawn, pytest.mark.slow, pytest.mark.xdist_group("nspawn")]
 
 UNIT = "gpusnapd.service"
