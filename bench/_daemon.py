@@ -1,8 +1,9 @@
 """What the daemon benchmarks share: a real gpusnapd in a work directory, the CLI on its socket.
 
 ``gpusnapd(work, ...)`` writes a signing key and a config into ``work`` (socket, state dir, a
-``file://`` store in ``work`` unless given another, no GPU), starts the daemon, waits until it
-serves and stops it (SIGTERM) when the block ends; ``cli(sock, ...)`` runs one ``gpusnap``
+``file://`` store in ``work`` unless given another, no GPU), starts the daemon with the test
+suite's harness (``tests/support/daemons.py``), which returns once it serves, and stops it
+(SIGTERM) when the block ends; ``cli(sock, ...)`` runs one ``gpusnap``
 command with ``--json`` and returns its answer. ``GUARD`` bounds every wait: a hang guard,
 never a timing.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpusnap.storage import generate_signing_key
+from tests.support.daemons import Nodes
 
 BIN = Path(sys.executable).parent
 GUARD = 1800.0  # seconds; against hangs only
@@ -55,48 +55,24 @@ def adopt_orphans() -> None:
 
 
 @contextlib.contextmanager
-def gpusnapd(work: Path, *, daemon: str = "", store: str = "", extra: str = "") -> Iterator[Path]:
+def gpusnapd(
+    work: Path, *, name: str = "bench", daemon: str = "", store: str = "", extra: str = ""
+) -> Iterator[Path]:
     """A serving gpusnapd on ``work`` for the block; yields its socket.
 
-    ``daemon``: more keys of ``[daemon]``; ``store``: the ``[store]`` keys but ``key_file``
-    (default: ``file://`` in ``work``); ``extra``: tables after ``[gpu]``. Its log is
-    ``work/gpusnapd.log``.
+    The daemon is the test suite's (``tests/support/daemons.py``: started, and waited for on
+    its ``READY=1``, the same way) at log level info. ``name``: its node id and the folder
+    under ``work`` that holds its state, socket and ``gpusnapd.log``; ``daemon``: more keys of
+    ``[daemon]``; ``store``: the ``[store]`` keys but ``key_file`` (default: ``file://`` in
+    ``work``); ``extra``: tables after ``[gpu]``.
     """
-    key = work / "signing.key"
-    generate_signing_key(key)
-    sock = work / "sock" / "gpusnapd.sock"
-    sock.parent.mkdir(mode=0o750)
-    cfg = work / "gpusnapd.toml"
-    store = store or f'url = "file://{work}/store"\n'
-    cfg.write_text(
-        f'[daemon]\nsocket = "{sock}"\nstate_dir = "{work}/state"\n{daemon}'
-        f'[store]\n{store}key_file = "{key}"\n[gpu]\ndriver = "none"\n{extra}'
-    )
-    with open(work / "gpusnapd.log", "wb") as log:
-        proc = subprocess.Popen(
-            [str(BIN / "gpusnapd"), "--config", str(cfg)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    try:
-        poll("gpusnapd to serve", lambda: proc.poll() is not None or _serves(sock))
-        if proc.poll() is not None:
-            raise RuntimeError(f"gpusnapd exited {proc.returncode}: see {work}/gpusnapd.log")
-        yield sock
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _serves(sock: Path) -> bool:
-    return sock.exists() and _gpusnap(sock, "status").returncode == 0
+    with Nodes(work) as nodes:
+        node = nodes.make(name, daemon_config=daemon, extra_config=extra)
+        node.log_level = "info"
+        if store:
+            node.write_config(f'{store}key_file = "{nodes.key_file}"\n')
+        node.start()
+        yield node.socket
 
 
 def _gpusnap(sock: Path, *args: str) -> subprocess.CompletedProcess[str]:

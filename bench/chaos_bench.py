@@ -35,8 +35,8 @@ import pytest  # noqa: E402  (mounted_tmpfs skips through pytest where it cannot
 
 from tests.chaos import scenarios  # noqa: E402
 from tests.chaos.harness import ChaosFailure, ChaosStore, Tally  # noqa: E402
-from tests.chaos.scenarios import ChaosProxy  # noqa: E402
 from tests.storage.store_helpers import mounted_tmpfs  # noqa: E402
+from tests.support.faultproxy import FaultProxy  # noqa: E402
 from tests.support.moto_server import MotoServer, aws_test_credentials  # noqa: E402
 
 SCENARIOS = (
@@ -77,7 +77,7 @@ def run_one(
         }[name]
         run()
         return store.tally, time.monotonic() - started, None
-    proxy = ChaosProxy(moto.endpoint_url)
+    proxy = FaultProxy(moto.endpoint_url)
     proxy.start()
     try:
         bucket = f"chaos-{uuid.uuid4().hex[:12]}"

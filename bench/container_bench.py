@@ -57,8 +57,8 @@ from gpusnap.cli._client import DaemonClient  # noqa: E402
 from gpusnap.daemon.containers import ContainerSpec, Mount, PodmanRuntime, Ulimit  # noqa: E402
 from gpusnap.storage import generate_signing_key  # noqa: E402
 from tests.containers.image import IMAGE_REF, WORKLOAD_DIR, image_archive  # noqa: E402
+from tests.support.daemons import Node  # noqa: E402
 
-BIN = Path(sys.executable).parent
 GUARD = 1800.0  # seconds; against hangs only
 ULIMITS = (Ulimit("nofile", 20000, 20000), Ulimit("nproc", 32768, 32768))
 TARGETS = {
@@ -107,40 +107,19 @@ class Daemon:
     """One gpusnapd over a fresh ``file://`` store, reaching the benchmark's podman root."""
 
     def __init__(self, base: Path, key: Path, podman: dict[str, str]) -> None:
-        self.base = base
         base.mkdir(parents=True)
-        self.sock = base / "sock" / "d.sock"
-        (base / "sock").mkdir(mode=0o750)
         options = "".join(f"{k} = {json.dumps(v)}\n" for k, v in podman.items())
-        config = base / "gpusnapd.toml"
-        config.write_text(
-            f'[daemon]\nsocket = "{self.sock}"\nstate_dir = "{base / "state"}"\n'
-            f'[store]\nurl = "file://{base / "store"}"\nkey_file = "{key}"\n'
-            '[gpu]\ndriver = "none"\n'
-            f'[containers]\ndetect = ["podman"]\n[containers.podman]\n{options}'
+        # The test suite's daemon harness: started, and waited for on its READY=1.
+        self.node = Node(
+            "bench",
+            base,
+            f"file://{base / 'store'}",
+            key,
+            extra_config=f'[containers]\ndetect = ["podman"]\n[containers.podman]\n{options}',
+            log_level="info",
         )
-        self.log = open(base / "gpusnapd.log", "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [str(BIN / "gpusnapd"), "--config", str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=self.log,
-            start_new_session=True,
-        )
-        end = time.monotonic() + GUARD
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gpusnapd exited; see {base / 'gpusnapd.log'}")
-            if self.sock.exists():
-                try:
-                    self.client = DaemonClient.for_socket(self.sock)
-                    self.client.status()
-                    return
-                except Exception:
-                    pass
-            if time.monotonic() > end:
-                raise TimeoutError("gpusnapd did not come up")
-            time.sleep(0.05)
+        self.node.start()
+        self.client = DaemonClient.for_socket(self.node.socket)
 
     def checkpoint(self, name: str) -> tuple[dict[str, Any], float]:
         """The finished job, and trigger-to-commit: from the request to ``finished_at``."""
@@ -156,9 +135,7 @@ class Daemon:
 
     def stop(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        self.proc.wait(GUARD)
-        self.log.close()
+        self.node.stop()
 
 
 def podman_baseline(rt: PodmanRuntime, name: str, work: Path) -> dict[str, Any]:

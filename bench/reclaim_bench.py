@@ -116,7 +116,6 @@ def run_case(
             sock = running.enter_context(
                 gpusnapd(
                     work,
-                    daemon='node_id = "bench"\n',
                     store=store,
                     extra=f'[triggers]\nprovider = "aws"\naws_imds_url = "{imds.url}"\n'
                     f"poll_interval = {poll_s}\nlogind = false\n"

@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.reclaim_bench import poll  # noqa: E402
 from bench.store_bench import machine  # noqa: E402
-from tests.e2e.conftest import Node, Nodes  # noqa: E402
-from tests.e2e_reclaim.conftest import Cluster, triggers_section  # noqa: E402
+from tests.e2e_reclaim.cluster import Cluster, triggers_section  # noqa: E402
+from tests.support.daemons import Node, Nodes  # noqa: E402
 from tests.support.faultproxy import FaultProxy  # noqa: E402
 from tests.support.holder import Holder  # noqa: E402
 from tests.support.moto_server import MotoServer, aws_test_credentials  # noqa: E402

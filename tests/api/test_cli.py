@@ -17,7 +17,7 @@ from gpusnap.errors import (
     EXIT_NOT_FOUND,
     EXIT_USAGE,
 )
-from tests.api.conftest import FAILING_PID, INCOMPATIBLE_ID, FakeService, run_cli
+from tests.api.fake_service import FAILING_PID, INCOMPATIBLE_ID, FakeService, run_cli
 
 
 def _json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:

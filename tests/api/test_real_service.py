@@ -18,7 +18,7 @@ from gpusnap.errors import EXIT_FAILURE, EXIT_USAGE
 from gpusnap.proto import wire
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
-from tests.api.conftest import run_cli
+from tests.api.fake_service import run_cli
 from tests.cli._cli import write_tree
 
 A_CHECKPOINT_ID = "20261130T083000Z-0123456789"  # well formed, in no store

@@ -10,7 +10,7 @@ from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.jobs.job import Job, JobKind, JobState, Phase
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.wire import job_from_pb, job_to_pb
-from tests.api.conftest import INCOMPATIBLE_ID, T0, FakeService
+from tests.api.fake_service import INCOMPATIBLE_ID, T0, FakeService
 
 
 @pytest.fixture

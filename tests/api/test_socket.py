@@ -21,12 +21,16 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.api.listeners import TcpListenerConfig, start_server, stop_server
 from gpusnap.errors import EXIT_DAEMON_UNREACHABLE, AlreadyExists, FailedPrecondition
-from tests.api.conftest import REPO, FakeService
+from tests.api.fake_service import REPO, FakeService
 from tests.support.tls import Ca, free_port
 
 GROUP = "gpusnap"
 OUTSIDER = "gpusnap-test-outsider"
 MEMBER = "gpusnap-test-member"
+
+# useradd/groupadd/usermod write /etc/passwd and /etc/group under a lock that a second one
+# fails on (exit 10): every test of this module runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("etc-passwd")
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("useradd") is None,

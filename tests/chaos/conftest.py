@@ -1,5 +1,5 @@
-"""Fixtures of the chaos suite: the seed and the number of rounds, the fault proxy in front of
-the suite's one moto server (``tests/conftest.py``), stores.
+"""Fixtures of the chaos suite: the seed and the number of rounds, and stores (on S3 through the
+shared ``proxy``, a fault proxy in front of the suite's one moto server).
 
 The seed comes from ``GPUSNAP_CHAOS_SEED`` (default: a new one each run, printed by every
 test and named in every failure, so that a failure replays with that variable set); the
@@ -10,30 +10,18 @@ is ``bench/chaos_bench.py --chaos-rounds N``).
 from __future__ import annotations
 
 import os
-import random
 import secrets
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import ChaosStore
-from tests.chaos.scenarios import ChaosProxy
+from tests.chaos.harness import ChaosRun, ChaosStore
+from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import MotoServer
 
 DEFAULT_ROUNDS = 3
-
-
-@dataclass(frozen=True)
-class ChaosRun:
-    seed: int
-    rounds: int
-
-    def rng(self, scenario: str) -> random.Random:
-        """The random choices of one scenario: its own stream, from the run's seed."""
-        return random.Random(f"{self.seed}/{scenario}")
 
 
 _SEED = int(os.environ.get("GPUSNAP_CHAOS_SEED") or secrets.randbelow(2**31))
@@ -48,24 +36,13 @@ def chaos(record_property: Callable[[str, object], None]) -> ChaosRun:
 
 
 @pytest.fixture
-def proxy(moto_server: MotoServer) -> Iterator[ChaosProxy]:
-    """The fault-injecting proxy in front of the suite's one moto server."""
-    chaos_proxy = ChaosProxy(moto_server.endpoint_url)
-    chaos_proxy.start()
-    try:
-        yield chaos_proxy
-    finally:
-        chaos_proxy.stop()
-
-
-@pytest.fixture
 def file_store(tmp_path: Path, chaos: ChaosRun) -> ChaosStore:
     return ChaosStore.on_file(tmp_path, chaos.seed)
 
 
 @pytest.fixture
 def s3_store(
-    tmp_path: Path, chaos: ChaosRun, moto_server: MotoServer, proxy: ChaosProxy
+    tmp_path: Path, chaos: ChaosRun, moto_server: MotoServer, proxy: FaultProxy
 ) -> ChaosStore:
     bucket = f"chaos-{uuid.uuid4().hex[:12]}"
     return ChaosStore.on_s3(tmp_path, chaos.seed, moto_server, bucket, proxy.endpoint_url)

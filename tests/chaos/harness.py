@@ -39,6 +39,16 @@ MiB = 1024 * 1024
 S3_MULTIPART = ["--multipart-threshold", "1MiB", "--multipart-chunksize", "5MiB"]
 
 
+@dataclass(frozen=True)
+class ChaosRun:
+    seed: int
+    rounds: int
+
+    def rng(self, scenario: str) -> random.Random:
+        """The random choices of one scenario: its own stream, from the run's seed."""
+        return random.Random(f"{self.seed}/{scenario}")
+
+
 class ChaosFailure(AssertionError):
     """An invariant broke; the message carries the seed that replays it."""
 

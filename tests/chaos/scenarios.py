@@ -17,7 +17,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ def _latest(store: ChaosStore, workload: str) -> str | None:
 
 
 def kill_pushes(
-    store: ChaosStore, rng: random.Random, rounds: int, proxy: ChaosProxy | None = None
+    store: ChaosStore, rng: random.Random, rounds: int, proxy: FaultProxy | None = None
 ) -> None:
     """Incremental pushes killed with SIGKILL at a random point: half of them a random time
     into the run, half once they have written a random number of chunk objects (so that
@@ -82,7 +81,7 @@ def kill_pushes(
     store.cli_verify()
 
 
-def _chunk_writes(store: ChaosStore, proxy: ChaosProxy | None) -> Callable[[], int]:
+def _chunk_writes(store: ChaosStore, proxy: FaultProxy | None) -> Callable[[], int]:
     """A count that grows with every chunk object a push writes."""
     if proxy is not None:
         return lambda: proxy.saw(lambda m, p: "/chunks/" in p and m in ("PUT", "POST"))
@@ -95,59 +94,6 @@ def _chunk_writes(store: ChaosStore, proxy: ChaosProxy | None) -> Callable[[], i
             return 0
 
     return count
-
-
-class ChaosProxy(FaultProxy):
-    """A ``FaultProxy`` that can also cut the connection of requests matching a predicate."""
-
-    def __init__(self, upstream_url: str) -> None:
-        super().__init__(upstream_url)
-        self._cut: list[tuple[Callable[[str, str], bool], str, int]] = []
-        self._cut_lock = threading.Lock()
-
-    def _listen(self, port: int) -> None:
-        super()._listen(port)
-        server = self._server
-        assert server is not None
-        report = server.handle_error
-
-        def quiet(request: object, client_address: object) -> None:
-            # A client killed mid-request (the point of these tests) resets its connection:
-            # not worth a traceback on stderr. Anything else still gets one.
-            if not isinstance(sys.exc_info()[1], ConnectionError):
-                report(request, client_address)  # type: ignore[arg-type]
-
-        server.handle_error = quiet  # type: ignore[method-assign]
-
-    def cut_next(self, count: int, match: Callable[[str, str], bool], how: str) -> None:
-        """The next ``count`` matching requests: ``"dropped"`` (no answer) or
-        ``"reply-lost"`` (applied by the store, the answer cut)."""
-        with self._cut_lock:
-            self._cut.append((match, how, count))
-
-    def heal(self) -> None:
-        """Clear every fault still armed."""
-        with self._cut_lock:
-            self._cut.clear()
-        self.fail_next(0)
-        self.fail_for(0)
-        self.drop_next(0)
-        self.lose_reply_next(0)
-
-    def _decide(self, method: str, path: str) -> str:
-        with self._cut_lock:
-            for i, (match, how, count) in enumerate(self._cut):
-                if count > 0 and match(method, path):
-                    self._cut[i] = (match, how, count - 1)
-                    return how
-        return super()._decide(method, path)
-
-    def hits(self) -> int:
-        """Requests a fault has hit so far (failed, dropped, or their reply lost)."""
-        return sum(1 for outcome in self.outcomes() if outcome != "forwarded")
-
-    def saw(self, match: Callable[[str, str], bool]) -> int:
-        return sum(1 for method, path, _ in list(self.requests) if match(method, path))
 
 
 def _is_part(method: str, path: str) -> bool:
@@ -165,7 +111,7 @@ def _is_manifest_put(method: str, path: str) -> bool:
 S3_FAULTS = ("503-storm", "reset-parts", "503-parts", "complete-reply-lost", "manifest-reply-lost")
 
 
-def _inject(proxy: ChaosProxy, fault: str, rng: random.Random) -> float:
+def _inject(proxy: FaultProxy, fault: str, rng: random.Random) -> float:
     """Arm ``fault``; how long it lasts (a storm), else 0 (it ends when its count is used)."""
     if fault == "503-storm":
         seconds = rng.uniform(0.3, 1.5)
@@ -182,7 +128,7 @@ def _inject(proxy: ChaosProxy, fault: str, rng: random.Random) -> float:
     return 0.0
 
 
-def s3_storms(store: ChaosStore, proxy: ChaosProxy, rng: random.Random, rounds: int) -> None:
+def s3_storms(store: ChaosStore, proxy: FaultProxy, rng: random.Random, rounds: int) -> None:
     """Faults in the middle of multipart uploads; every push must still succeed (retries)."""
     image = make_image(store.work / "image-storm", rng, IMAGE_MIB)
     store.push_and_record(image, "stormy", expect_ok=True)

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.chaos import scenarios
-from tests.chaos.conftest import ChaosRun
-from tests.chaos.harness import ChaosStore
-from tests.chaos.scenarios import ChaosProxy
+from tests.chaos.harness import ChaosRun, ChaosStore
 from tests.storage.store_helpers import mounted_tmpfs
+from tests.support.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ def test_pushes_killed_at_random_points_lose_no_checkpoint_on_file(
 
 @pytest.mark.s3
 def test_pushes_killed_at_random_points_lose_no_checkpoint_on_s3(
-    s3_store: ChaosStore, proxy: ChaosProxy, chaos: ChaosRun
+    s3_store: ChaosStore, proxy: FaultProxy, chaos: ChaosRun
 ) -> None:
     scenarios.kill_pushes(s3_store, chaos.rng("kill-s3"), chaos.rounds, proxy)
     _report(s3_store, "kill")
@@ -42,7 +41,7 @@ def test_pushes_killed_at_random_points_lose_no_checkpoint_on_s3(
 
 @pytest.mark.s3
 def test_503_storms_and_reset_connections_mid_multipart_lose_no_checkpoint(
-    s3_store: ChaosStore, proxy: ChaosProxy, chaos: ChaosRun
+    s3_store: ChaosStore, proxy: FaultProxy, chaos: ChaosRun
 ) -> None:
     scenarios.s3_storms(s3_store, proxy, chaos.rng("storms"), chaos.rounds)
     _report(s3_store, "storms")

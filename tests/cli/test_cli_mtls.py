@@ -24,9 +24,9 @@ from gpusnap.errors import (
     EXIT_USAGE,
 )
 from tests.cli._cli import Cli, Result
-from tests.e2e.conftest import Node, Nodes
 from tests.support import workloads
 from tests.support.criu import criu_or_skip
+from tests.support.daemons import Node, Nodes
 from tests.support.tls import Ca, free_port
 
 # Neither comes from the environment of whoever runs the tests unless a test sets it.
@@ -102,7 +102,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Daemo
         ),
     )
     try:
-        node.start()  # ready once its socket answers; the TCP listener is bound before that
+        node.start()  # READY=1 comes once the socket and the TCP listener are both bound
         yield Daemon(node, address, pki, pid_file)
     finally:
         nodes.close()

@@ -10,7 +10,6 @@ import random
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,6 @@ from tests.support.moto_server import MotoServer
 MiB = 1024 * 1024
 
 pytestmark = pytest.mark.s3
-
-
-@pytest.fixture
-def proxy(moto_server: MotoServer) -> Iterator[FaultProxy]:
-    with FaultProxy(moto_server.endpoint_url) as p:
-        yield p
 
 
 def _s3_cli(tmp_path: Path, endpoint: str, bucket: str) -> Cli:

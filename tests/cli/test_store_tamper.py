@@ -107,6 +107,9 @@ def _resign_with_path(tmp_path: Path, checkpoint_id: str, evil_path: str) -> Non
     path.write_bytes(blob)
 
 
+# One fixed path outside any test's directory (/tmp/gpusnap-escaped.img): its cases run on one
+# xdist worker, one after the other.
+@pytest.mark.xdist_group("tmp-escaped-img")
 @pytest.mark.parametrize(
     "evil_path",
     ["../escaped.img", "sub/../../escaped.img", "/tmp/gpusnap-escaped.img"],

@@ -1,8 +1,8 @@
 """Real gpusnapd daemons for the container tests, each reaching its own podman storage root.
 
-A daemon is ``tests.e2e.conftest.Node`` (its own state dir and socket, the CLI driven as a
+A daemon is ``tests.support.daemons.Node`` (its own state dir and socket, the CLI driven as a
 subprocess; the ``daemons`` fixture of conftest.py makes them); ``podman_section`` gives it the
-``[containers]`` tables that point it at one of ``conftest.nodes``' storage roots, so two
+``[containers]`` tables that point it at one of the ``nodes`` fixture's storage roots, so two
 daemons over two roots are two nodes on one machine.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.containers.conftest import Node
-from tests.e2e.conftest import Node as Daemon
-from tests.e2e.conftest import Nodes as Daemons
+from tests.containers.harness import Node
+from tests.support.daemons import Node as Daemon
+from tests.support.daemons import Nodes as Daemons
 
 __all__ = ["Daemon", "Daemons", "cli_json", "podman_section", "start_daemon"]
 

@@ -16,8 +16,9 @@ import pytest
 
 from gpusnap.daemon.containers import CheckpointParts, ContainerdRuntime, load_parts
 from gpusnap.daemon.host.openfiles import recorded_sizes
-from tests.containers.conftest import STEPS_DEFAULT as STEPS
-from tests.containers.conftest import (
+from tests.containers.daemons import Daemons, cli_json, start_daemon
+from tests.containers.harness import STEPS_DEFAULT as STEPS
+from tests.containers.harness import (
     genloop_spec_for,
     lines,
     new_loop,
@@ -26,7 +27,6 @@ from tests.containers.conftest import (
     wait_done,
     wait_lines,
 )
-from tests.containers.daemons import Daemons, cli_json, start_daemon
 from tests.containers.image import IMAGE_REF
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.containers import ContainerSpec, Mount
-from tests.containers.conftest import (
+from tests.containers.daemons import Daemon, Daemons, cli_json, podman_section
+from tests.containers.harness import (
     TIMEOUT,
     ULIMITS,
     Node,
@@ -31,7 +32,6 @@ from tests.containers.conftest import (
     wait_done,
     wait_lines,
 )
-from tests.containers.daemons import Daemon, Daemons, cli_json, podman_section
 from tests.containers.image import IMAGE_REF, WORKLOAD_DIR
 from tests.fakes import libcuda
 from tests.fakes.libcuda import A0, B0

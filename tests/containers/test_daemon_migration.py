@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.containers.conftest import (
+from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
+from tests.containers.harness import (
     Node,
     genloop_spec,
     new_loop,
@@ -15,7 +16,6 @@ from tests.containers.conftest import (
     wait_done,
     wait_lines,
 )
-from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
 from tests.e2e_reclaim import ask
 
 STEPS = 300

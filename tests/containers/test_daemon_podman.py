@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from gpusnap.daemon.containers import Device
-from tests.containers.conftest import (
+from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
+from tests.containers.harness import (
     STEPS_DEFAULT,
     Node,
     exiting_at_checkpoint,
@@ -31,7 +32,6 @@ from tests.containers.conftest import (
     wait_exited,
     wait_lines,
 )
-from tests.containers.daemons import Daemons, cli_json, podman_section, start_daemon
 from tests.containers.image import WORKLOAD_DIR
 from tests.support.mounts import tmpfs
 

@@ -23,8 +23,8 @@ from gpusnap.daemon.containers import (
     load_parts,
 )
 from gpusnap.errors import AlreadyExists, FailedPrecondition, Unsupported
-from tests.containers.conftest import STEPS_DEFAULT as STEPS
-from tests.containers.conftest import (
+from tests.containers.harness import STEPS_DEFAULT as STEPS
+from tests.containers.harness import (
     Node,
     exiting_at_checkpoint,
     genloop_spec,

@@ -15,8 +15,9 @@ import pytest
 
 from gpusnap.daemon.containers import RuncRuntime, container_reasons, load_parts
 from gpusnap.errors import FailedPrecondition, Unsupported
-from tests.containers.conftest import STEPS_DEFAULT as STEPS
-from tests.containers.conftest import (
+from tests.containers.daemons import Daemons, cli_json, start_daemon
+from tests.containers.harness import STEPS_DEFAULT as STEPS
+from tests.containers.harness import (
     TIMEOUT,
     genloop_spec_for,
     lines,
@@ -24,7 +25,6 @@ from tests.containers.conftest import (
     wait_done,
     wait_lines,
 )
-from tests.containers.daemons import Daemons, cli_json, start_daemon
 from tests.containers.image import rootfs_tar
 
 IMAGE_ID = "sha256:" + "6e" * 32  # the id the test gives its image directory

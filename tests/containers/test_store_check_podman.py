@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from gpusnap.storage.layout import chunk_key
-from tests.containers.conftest import (
+from tests.containers.daemons import Daemons, cli_json, podman_section
+from tests.containers.harness import (
     Node,
     genloop_spec,
     lines,
@@ -20,7 +21,6 @@ from tests.containers.conftest import (
     started,
     wait_lines,
 )
-from tests.containers.daemons import Daemons, cli_json, podman_section
 from tests.e2e.store_reading import StoreReader, store_check, until
 
 # Long enough never to end within the test (which stops the container itself); the tokens are

@@ -3,41 +3,14 @@ cuda-bindings, the fake ``libcuda.so.1`` (``tests/fakes/libcuda``) and real CUDA
 
 from __future__ import annotations
 
-import tomllib
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from gpusnap.daemon.config.file import Config, parse_config
 from gpusnap.daemon.gpu import GpuCoordinator
-from gpusnap.errors import InvalidArgument
-from tests.e2e.conftest import started  # noqa: F401 - fixture
-from tests.fakes.fixtures import FakeNode, fake_nodes, lib, spawn  # noqa: F401 - fixtures
 from tests.fakes.libcuda import ROOT_ENV
-
-Coordinators = Callable[..., GpuCoordinator]
-
-
-def parse_with(tmp_path: Path, extra: str) -> Config:
-    """A minimal daemon config with ``extra`` TOML at its end, parsed (and checked)."""
-    text = f"""
-[daemon]
-state_dir = "{tmp_path / "state"}"
-[store]
-url = "file://{tmp_path / "store"}"
-verify = false
-{extra}
-"""
-    return parse_config(tomllib.loads(text))
-
-
-def config_error(tmp_path: Path, extra: str) -> str:
-    """The message of the InvalidArgument that ``parse_with(tmp_path, extra)`` raises."""
-    with pytest.raises(InvalidArgument) as caught:
-        parse_with(tmp_path, extra)
-    return str(caught.value)
+from tests.support.fake_gpu import Coordinators, FakeNode
 
 
 @pytest.fixture

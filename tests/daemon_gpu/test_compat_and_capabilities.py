@@ -11,9 +11,8 @@ import pytest
 from gpusnap.daemon.gpu import GpuCoordinator
 from gpusnap.daemon.gpu.inventory import parse_nvrm_version
 from gpusnap.errors import Unsupported
-from tests.daemon_gpu.conftest import Coordinators
-from tests.fakes.fixtures import FakeNode
 from tests.fakes.libcuda import A0, B0, GIB, MIB, ROOT_ENV, Spawn, gpu
+from tests.support.fake_gpu import Coordinators, FakeNode
 
 
 def _stamp(coordinators: Coordinators, node: FakeNode) -> dict[str, Any]:

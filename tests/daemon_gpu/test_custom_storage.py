@@ -21,15 +21,13 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
-from gpusnap.daemon.gpu.ring import HostRing
 from gpusnap.daemon.pipelines.gpu_memory import MemoryUploads, committed_source
 from gpusnap.errors import DeadlineExceeded, FailedPrecondition
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.streams import GPU_MEMORY_KIND, stream_kinds
-from tests.daemon_gpu.conftest import Coordinators
-from tests.fakes.fixtures import FakeNode
 from tests.fakes.libcuda import A0, B0, B1, GIB, MIB, CudaProcess, Spawn, gpu
 from tests.storage.store_helpers import file_store, make_keys
+from tests.support.fake_gpu import Coordinators, FakeNode
 
 A1 = gpu(1)["uuid"]
 SLOT = 256 * 1024
@@ -140,17 +138,23 @@ def test_leave_running_thaw_fills_the_memory_back_from_the_store(
     assert node.free(0) == 141 * GIB - 2 * MIB - 1  # free memory back after the thaw
 
 
-def test_a_fresh_worker_can_page_lock_the_ring(
-    fake_nodes, coordinators: Coordinators, monkeypatch: pytest.MonkeyPatch
+def test_a_fresh_worker_page_locks_the_ring_for_a_custom_storage_freeze(
+    fake_nodes, spawn: Spawn, coordinators: Coordinators, store: CheckpointStore, tmp_path: Path
 ) -> None:
-    """cuMemHostRegister needs a current context: the first call of a new worker (after a
-    respawn, say) has none unless the worker makes one (issue 10 §2.2)."""
+    """cuMemHostRegister needs a current context: a worker started afresh (after a close, as
+    after a respawn) has made none when the freeze page-locks the ring (issue 10 §2.2), and the
+    device memory still goes through the ring into the store and back."""
     node: FakeNode = fake_nodes("a", **CS)
-    coordinator = coordinators(node)
-    coordinator._worker.kill()  # the next call starts a fresh worker: ring_attach is its first
-    with HostRing(2, 4096) as ring:
-        coordinator._worker.call("ring_attach", ring.name, ring.size)
-        coordinator._worker.call("ring_detach", ring.name)
+    p = spawn(tmp_path / "p", node.env, [(0, MIB + 3)], seed=1)
+    before = p.command("digest")
+    coordinator = small_ring(coordinators, node)
+    coordinator.close()  # the next call starts a fresh worker
+    frozen = freeze_into(store, coordinator, [p.pid])
+    assert [m["pid"] for m in frozen.freeze.memory_files] == [p.pid]
+    assert frozen.uploads.uploaded  # the memory went through the ring into the store
+    coordinator.thaw(frozen.freeze)
+    assert node.state(p.pid) == "RUNNING"
+    assert p.command("digest") == before
 
 
 def test_without_the_capability_the_freeze_stages_in_host_memory(

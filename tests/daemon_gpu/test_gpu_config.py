@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.config.file import GpuSection
-from tests.daemon_gpu.conftest import config_error, parse_with
+from tests.daemon_gpu.configs import config_error, parse_with
 
 
 def _gpu(tmp_path: Path, keys: str) -> GpuSection:

@@ -11,7 +11,7 @@ from gpusnap.daemon.config.hooks import Hook, WorkloadHooks
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.pipelines.hooks import JobHooks, run_hook
 from gpusnap.errors import FailedPrecondition
-from tests.daemon_gpu.conftest import config_error, parse_with
+from tests.daemon_gpu.configs import config_error, parse_with
 from tests.fakes.libcuda import wait_for
 
 

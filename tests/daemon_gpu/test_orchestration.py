@@ -17,8 +17,6 @@ import pytest
 from gpusnap.daemon.gpu import GpuCoordinator, GpuFreeze
 from gpusnap.daemon.gpu.worker import GpuWorker
 from gpusnap.errors import DeadlineExceeded, FailedPrecondition, Internal, Unsupported
-from tests.daemon_gpu.conftest import Coordinators
-from tests.fakes.fixtures import FakeNode
 from tests.fakes.libcuda import (
     A0,
     B0,
@@ -33,6 +31,7 @@ from tests.fakes.libcuda import (
     ok,
     wait_for,
 )
+from tests.support.fake_gpu import Coordinators, FakeNode
 
 A1 = gpu(1)["uuid"]
 

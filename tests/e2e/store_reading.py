@@ -14,7 +14,7 @@ from typing import Any
 
 from gpusnap.storage import open_store
 from gpusnap.storage.streams import stream_kinds
-from tests.e2e.conftest import HANG_GUARD, Node, Result
+from tests.support.daemons import HANG_GUARD, Node, Result
 
 
 def until(what: str, ready: Callable[[], Any], node: Node) -> Any:

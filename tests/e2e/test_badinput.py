@@ -23,7 +23,7 @@ import zstandard
 from gpusnap.storage.keys import load_signing_key, seal
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
 from tests.cli._cli import Cli, files_under, make_cli, write_tree
-from tests.e2e.conftest import BIN, Nodes, gpusnapd
+from tests.support.daemons import BIN, Nodes, gpusnapd
 from tests.support.mounts import tmpfs
 
 EXIT_USAGE = 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli._cli import write_tree
-from tests.e2e.conftest import BIN, Node, Nodes, gpusnapd
+from tests.support.daemons import BIN, Node, Nodes, gpusnapd
 
 EXIT_USAGE = 2
 REFUSAL = "manifest authenticity is not verified ([store] verify = false)"

@@ -21,8 +21,8 @@ import pytest
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.daemon.jobs.journal import INTERRUPTED_MESSAGE
-from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support import workloads
+from tests.support.daemons import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import TEST_REGION, MotoServer
 

@@ -12,8 +12,8 @@ import pytest
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.host import proctree
 from tests.e2e import memory_holder
-from tests.e2e.conftest import Nodes, gpusnapd
 from tests.support import workloads
+from tests.support.daemons import Nodes, gpusnapd
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -16,8 +16,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.host import proctree
-from tests.e2e.conftest import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support import workloads
+from tests.support.daemons import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support.faultproxy import GateProxy
 from tests.support.moto_server import TEST_REGION, MotoServer
 from tests.support.tls import Ca, free_port

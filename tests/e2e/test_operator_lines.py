@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpusnap.daemon.host import proctree
-from tests.e2e.conftest import Nodes
 from tests.support import workloads
+from tests.support.daemons import Nodes
 from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpusnap.cli._client import DaemonClient
-from tests.e2e.conftest import Nodes
 from tests.support import workloads
+from tests.support.daemons import Nodes
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(300)]
 

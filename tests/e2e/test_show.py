@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Node, Nodes
 from tests.support import workloads
+from tests.support.daemons import Node, Nodes
 from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from gpusnap.storage.layout import chunk_key
-from tests.e2e.conftest import Node, Nodes, restored_cleanup
 from tests.e2e.store_reading import StoreReader, store_check, until
 from tests.support import workloads
 from tests.support.daemon_config import workload_section
+from tests.support.daemons import Node, Nodes, restored_cleanup
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import TEST_REGION, MotoServer
 from tests.support.tls import free_port

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_gpu.conftest import GpuNode, GpuNodes
 from tests.e2e_reclaim.ask import cli_json
 from tests.gpu.lm import reference_tokens, start_device_lm
+from tests.support.fake_gpu import GpuNode, GpuNodes
 from tests.support.workloads import Started, Workload
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -1,6 +1,6 @@
 """GPU checkpoints through the real daemon: real gpusnapd and CLI, real CRIU, real CUDA
 processes; the daemon's GPU worker runs the real ``driver.py`` through the real cuda-bindings
-against the fake ``libcuda.so.1`` of each node (``conftest.py``)."""
+against the fake ``libcuda.so.1`` of each node (``tests/support/fake_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.host import proctree
-from tests.e2e_gpu.conftest import GpuNode, GpuNodes
 from tests.fakes.libcuda import A0, B0, B1, GIB, MIB, ROOT_ENV, Spawn, gpu, wait_for
 from tests.gpu.lm import device_lm_command, reference_tokens, start_device_lm
 from tests.support import workloads
+from tests.support.fake_gpu import GpuNode, GpuNodes
 from tests.support.workloads import Started, Workload
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_gpu.conftest import GpuNode, GpuNodes
 from tests.fakes import libcuda
 from tests.gpu.lm import reference_tokens, start_device_lm
 from tests.support import workloads
+from tests.support.fake_gpu import GpuNode, GpuNodes
 from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e_gpu.conftest import GpuNodes
 from tests.e2e_reclaim.ask import cli_json
 from tests.gpu.lm import start_device_lm
+from tests.support.fake_gpu import GpuNodes
 from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.e2e.conftest import Node
-from tests.e2e_reclaim.conftest import wait_for
+from tests.support.daemons import Node
+from tests.support.waits import wait_for
 
 
 def cli_json(node: Node, *args: str) -> Any:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e_reclaim import ask
-from tests.e2e_reclaim.conftest import WORKLOAD, Cluster, ReclaimWorkload, wait_for
+from tests.e2e_reclaim.cluster import WORKLOAD, Cluster, ReclaimWorkload
 from tests.support.metadata_servers import (
     SERVERS,
     AwsImdsServer,
@@ -17,6 +17,7 @@ from tests.support.metadata_servers import (
     MetadataServer,
     Recorded,
 )
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.criu, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 

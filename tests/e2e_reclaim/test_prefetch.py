@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import HANG_GUARD
 from tests.e2e_reclaim import ask
-from tests.e2e_reclaim.conftest import Cluster, cluster_of, triggers_section, wait_for
+from tests.e2e_reclaim.cluster import Cluster, cluster_of, triggers_section
+from tests.support.daemons import HANG_GUARD
 from tests.support.holder import Holder
 from tests.support.moto_server import MotoServer
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.criu, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from tests.e2e_reclaim import ask
-from tests.e2e_reclaim.conftest import WORKLOAD, Cluster, ReclaimWorkload, wait_for
+from tests.e2e_reclaim.cluster import WORKLOAD, Cluster, ReclaimWorkload
 from tests.support.faultproxy import GateProxy
 from tests.support.metadata_servers import SERVERS, AwsImdsServer, MetadataServer, dead_url
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.criu, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 

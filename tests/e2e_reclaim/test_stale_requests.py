@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Node
 from tests.e2e_reclaim import ask
-from tests.e2e_reclaim.conftest import WORKLOAD, Cluster, ReclaimWorkload, wait_for
+from tests.e2e_reclaim.cluster import WORKLOAD, Cluster, ReclaimWorkload
+from tests.support.daemons import Node
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.criu, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 

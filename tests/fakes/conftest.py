@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import pytest
 
 from gpusnap.daemon.host.criu import Criu
-from tests.fakes.fixtures import fake_nodes, lib, spawn  # noqa: F401 - fixtures
 from tests.support import workloads
 from tests.support.criu import criu_or_skip
 

@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import _subreaper, started  # noqa: F401 - fixtures
-
 FIGURES_ENV = "GPUSNAP_FIGURES"
 
 
@@ -29,6 +27,7 @@ def _gpu_missing() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     ours = [i for i in items if here in Path(str(i.fspath)).parents]
@@ -37,8 +36,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     why = _gpu_missing()
     for item in ours:
         item.add_marker(pytest.mark.gpu)
+        # The machine's one GPU (its free memory is measured): one xdist worker uses it.
+        item.add_marker(pytest.mark.xdist_group("gpu"))
         if why:
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(autouse=True)
+def _adopt_orphans(child_subreaper: None) -> None:
+    """Every test here runs as the orphans' subreaper (``child_subreaper``)."""
 
 
 @pytest.fixture

@@ -224,13 +224,25 @@ def test_checkpoint_path_throughput_against_pinned_memcpy(
     )
 
 
-def test_the_worker_pins_the_shared_ring(coordinator: GpuCoordinator) -> None:
-    """cuMemHostRegister of the custom-storage ring: exercisable on any driver (580 too)."""
+def test_a_worker_pins_and_unpins_the_shared_ring_in_one_process() -> None:
+    """cuMemHostRegister of the custom-storage ring and its undoing, by a GPU worker of its
+    own (``GpuWorker``, the class the coordinator runs its driver calls in): exercisable on any
+    driver (580 too). Each call raises on a CUDA error; none kills or replaces the worker."""
     from gpusnap.daemon.gpu.ring import HostRing  # noqa: PLC0415
+    from gpusnap.daemon.gpu.worker import GpuWorker  # noqa: PLC0415
 
-    with HostRing(2, 4 * 2**20) as ring:
-        coordinator._worker.call("ring_attach", ring.name, ring.size)
-        coordinator._worker.call("ring_detach", ring.name)
+    worker = GpuWorker(call_timeout_s=120.0)
+    try:
+        with HostRing(2, 4 * 2**20) as ring:
+            worker.call("ring_attach", ring.name, ring.size)
+            first = worker.pid
+            worker.call("ring_detach", ring.name)
+            worker.call("ring_attach", ring.name, ring.size)  # pinned again once unpinned
+            worker.call("ring_detach", ring.name)
+        assert first is not None
+        assert (worker.pid, worker.spawn_count) == (first, 1)
+    finally:
+        worker.close()
 
 
 def test_custom_storage_leave_running_through_a_store(

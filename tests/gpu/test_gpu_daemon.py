@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Node, Nodes
 from tests.gpu.lm import reference_tokens, start_device_lm
 from tests.support.criu import criu_or_skip
+from tests.support.daemons import Node, Nodes
 from tests.support.workloads import Started, Workload
 
 STEPS = 300

@@ -4,39 +4,14 @@ suite's one server, tests/conftest.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from gpusnap.storage.backend import BackendOptions
 from gpusnap.storage.keys import generate_signing_key
-from gpusnap.storage.store import CheckpointStore, open_store
-from tests.support.moto_server import TEST_REGION, MotoServer
-
-
-@dataclass(frozen=True)
-class StoreSpec:
-    """Enough to open the same store again, in this process or another."""
-
-    url: str
-    key_file: Path
-    endpoint_url: str | None
-
-    def options(self) -> BackendOptions:
-        return BackendOptions(
-            endpoint_url=self.endpoint_url,
-            region=TEST_REGION,
-            addressing_style="path",
-            retry_attempts=3,
-            retry_base_delay=0.01,
-            retry_max_delay=0.1,
-        )
-
-    def open(self, cache_dir: Path) -> CheckpointStore:
-        return open_store(
-            self.url, key_file=self.key_file, options=self.options(), cache_dir=cache_dir
-        )
+from gpusnap.storage.store import CheckpointStore
+from tests.reclaim.stores import StoreSpec
+from tests.support.moto_server import MotoServer
 
 
 @pytest.fixture(params=["file", "s3"])

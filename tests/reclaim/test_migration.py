@@ -26,7 +26,7 @@ from gpusnap.daemon.reclaim.standby import RestoreRun, StandbyLoop
 from gpusnap.errors import Corrupt, Unavailable
 from gpusnap.storage.manifest import new_checkpoint_id
 from gpusnap.storage.store import CheckpointStore
-from tests.reclaim.conftest import StoreSpec
+from tests.reclaim.stores import StoreSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,11 +120,12 @@ CHILD = r"""
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from tests.reclaim.conftest import StoreSpec
+from tests.reclaim.stores import StoreSpec
 from gpusnap.daemon.reclaim.board import MigrationBoard, StoreRecords
 spec = StoreSpec({url!r}, Path({key!r}), {endpoint!r})
 store = spec.open(Path({cache!r}))
 board = MigrationBoard(StoreRecords(lambda: store))
+print("ready", flush=True)
 go = Path({go!r})
 end = time.monotonic() + 30
 while not go.exists() and time.monotonic() < end:
@@ -161,7 +162,11 @@ def test_processes_racing_exactly_one_claim_wins(
                 env=os.environ.copy(),
             )
         )
-    time.sleep(1.0)  # let them start and wait at the line
+    for p in procs:  # each has opened the store and waits at the line
+        assert p.stdout is not None
+        assert p.stdout.readline() == b"ready\n", (
+            p.stderr.read().decode()[-2000:] if p.stderr else ""
+        )
     go.touch()
     results = []
     for p in procs:

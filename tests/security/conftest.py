@@ -1,9 +1,11 @@
-"""Fixtures for the security suite: the storage suite's stores and keys (file:// and S3 over
-a moto server) and the end-to-end daemons (``nodes``), reused as they are."""
+"""The security suite: its daemons' orphans (a kill-mode dump's tree) are the test process's
+to reap, as in tests/e2e; stores, keys and daemons come from the suite's plugin."""
 
 from __future__ import annotations
 
-from tests.e2e.conftest import _subreaper, nodes
-from tests.storage.conftest import checkpoint_store, keys, store
+import pytest
 
-__all__ = ["_subreaper", "checkpoint_store", "keys", "nodes", "store"]
+
+@pytest.fixture(autouse=True)
+def _adopt_orphans(child_subreaper: None) -> None:
+    """Every test here runs as the orphans' subreaper (``child_subreaper``)."""

@@ -29,9 +29,9 @@ from gpusnap.daemon.config.file import WorkloadConfig
 from gpusnap.daemon.host import proctree
 from gpusnap.daemon.host.target import workload_reasons
 from gpusnap.errors import EXIT_OK, EXIT_PERMISSION_DENIED
-from tests.e2e.conftest import BIN, Node, Nodes
 from tests.support import workloads
 from tests.support.criu import criu_or_skip
+from tests.support.daemons import BIN, Node, Nodes
 from tests.support.tls import Ca, free_port
 
 REPO = Path(__file__).resolve().parents[2]

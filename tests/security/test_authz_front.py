@@ -23,7 +23,7 @@ from gpusnap.daemon.api.callers import Caller
 from gpusnap.daemon.api.listeners import ApiServer, start_server, stop_server
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2 as pb
 from gpusnap.proto.gpusnap.v1 import gpusnap_pb2_grpc as pb_grpc
-from tests.api.conftest import FakeService
+from tests.api.fake_service import FakeService
 
 
 class Recording(FakeService):

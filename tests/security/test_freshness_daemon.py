@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.cli._cli import Cli, write_tree
-from tests.e2e.conftest import Nodes, nodes  # noqa: F401 - the fixture, used by name
+from tests.support.daemons import Nodes
 
 EXIT_INTEGRITY = 4
 
 
 def test_restore_latest_refuses_a_deleted_newest_checkpoint_and_allow_rollback_proceeds(
-    nodes: Nodes,  # noqa: F811
+    nodes: Nodes,
     tmp_path: Path,
 ) -> None:
     pusher = Cli(

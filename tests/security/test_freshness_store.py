@@ -16,8 +16,14 @@ from gpusnap.storage import CheckpointStore, open_store
 from gpusnap.storage.heads import HEADS_KEPT, RollbackRefused, read_head
 from gpusnap.storage.keys import UntrustedSigner, export_public_key
 from gpusnap.storage.layout import HEAD_PREFIX, manifest_key
-from tests.storage.conftest import fast_options
-from tests.storage.store_helpers import Keys, file_store, make_keys, unbind_manifest, write_src
+from tests.storage.store_helpers import (
+    Keys,
+    fast_options,
+    file_store,
+    make_keys,
+    unbind_manifest,
+    write_src,
+)
 from tests.support.moto_server import MotoServer
 
 

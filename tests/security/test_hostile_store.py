@@ -22,8 +22,15 @@ from gpusnap.storage import CheckpointStore, open_store
 from gpusnap.storage.context import StoreOptions
 from gpusnap.storage.layout import CONFIG_KEY, chunk_key, manifest_key
 from gpusnap.storage.locks import sync_index_if_gc_ran
-from tests.storage.conftest import StoreUnderTest, fast_options
-from tests.storage.store_helpers import Keys, MiB, file_store, make_tree, push_tree
+from tests.storage.store_helpers import (
+    Keys,
+    MiB,
+    StoreUnderTest,
+    fast_options,
+    file_store,
+    make_tree,
+    push_tree,
+)
 
 # The documented limit on the store config (docs/design.md, "Size limits").
 MAX_CONFIG_BYTES = 64 * 1024

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli._cli import Cli, image_tree, make_cli
-from tests.e2e.conftest import Nodes
+from tests.support.daemons import Nodes
 
 EXIT_INTEGRITY = 4
 # Deep enough to exhaust the interpreter's stack in any recursive parser.

@@ -20,7 +20,7 @@ from gpusnap.storage.keys import (
     load_signing_key,
     load_trusted_keys,
 )
-from tests.e2e.conftest import Node, Nodes, gpusnapd
+from tests.support.daemons import Node, Nodes, gpusnapd
 
 EXIT_USAGE = 2
 NOBODY = 65534

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.storage import generate_signing_key
-from tests.e2e.conftest import gpusnapd
+from tests.support.daemons import gpusnapd
 
 EXIT_USAGE = 2
 WORKLOAD = '[[workload]]\nname = "llm"\npid_file = "/run/llm.pid"\n'

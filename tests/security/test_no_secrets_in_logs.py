@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tests.cli._cli import make_cli, write_tree
-from tests.e2e.conftest import Nodes
+from tests.support.daemons import Nodes
 from tests.support.moto_server import TEST_REGION, MotoServer
 
 SECRET_KEY = "SECRETaccessKEY0123456789abcdefghij"

@@ -1,4 +1,5 @@
-"""Helpers shared by the checkpoint-store tests: keys, source trees, stores on a directory."""
+"""Helpers shared by the checkpoint-store tests: keys, source trees, stores on a directory,
+backend options for tests, and the store a parametrized test runs against."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,11 +23,43 @@ from gpusnap.storage import (
     generate_signing_key,
     open_store,
 )
+from gpusnap.storage.backend import Backend
 from gpusnap.storage.keys import generate_encryption_key, seal
 from gpusnap.storage.layout import manifest_key
 from gpusnap.storage.manifest import ENVELOPE_FORMAT
+from tests.support.moto_server import TEST_REGION, MotoServer
 
 MiB = 1024 * 1024
+
+# Small enough that a 12 MiB object goes up in three real parts (S3's floor is 5 MiB).
+MULTIPART_THRESHOLD = 5 * 1024 * 1024 + 1
+MULTIPART_CHUNKSIZE = 5 * 1024 * 1024
+
+
+def fast_options(endpoint_url: str | None = None, **overrides: Any) -> BackendOptions:
+    """Options with small multipart sizes and fast retries, for every storage test."""
+    values: dict[str, Any] = {
+        "endpoint_url": endpoint_url,
+        "region": TEST_REGION,
+        "addressing_style": "path",
+        "multipart_threshold": MULTIPART_THRESHOLD,
+        "multipart_chunksize": MULTIPART_CHUNKSIZE,
+        "retry_attempts": 4,
+        "retry_base_delay": 0.01,
+        "retry_max_delay": 0.05,
+    }
+    values.update(overrides)
+    return BackendOptions(**values)
+
+
+@dataclass
+class StoreUnderTest:
+    kind: str  # "file" | "s3"
+    backend: Backend
+    root: Path | None = None  # file: the directory
+    bucket: str | None = None  # s3: the bucket; objects live under ``prefix``
+    prefix: str = ""
+    moto: MotoServer | None = None
 
 
 @dataclass

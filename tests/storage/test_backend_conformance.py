@@ -17,7 +17,7 @@ from gpusnap.storage.backend import (
 )
 from gpusnap.storage.layout import TEMP_PREFIX
 from gpusnap.storage.open import open_backend
-from tests.storage.conftest import MULTIPART_CHUNKSIZE, StoreUnderTest, fast_options
+from tests.storage.store_helpers import MULTIPART_CHUNKSIZE, StoreUnderTest, fast_options
 from tests.support.moto_server import MotoServer
 
 BAD_KEYS = ["../x", "/abs", "a/../../x", "a//b", "a/./b", "a\\..\\x", "", "a/", "x\x00y", "."]

@@ -21,18 +21,11 @@ from gpusnap.storage.layout import TEMP_PREFIX
 from gpusnap.storage.open import open_backend
 from gpusnap.storage.passthrough import PassThroughBackend
 from gpusnap.storage.retry import RetryingBackend
-from tests.storage.conftest import fast_options
-from tests.storage.store_helpers import mounted_tmpfs
+from tests.storage.store_helpers import fast_options, mounted_tmpfs
 from tests.support.faultproxy import FaultProxy
 from tests.support.moto_server import MotoServer
 
 ATTEMPTS = 4  # fast_options(): 4 attempts, 10-50 ms apart
-
-
-@pytest.fixture
-def proxy(moto_server: MotoServer) -> Iterator[FaultProxy]:
-    with FaultProxy(moto_server.endpoint_url) as fault_proxy:
-        yield fault_proxy
 
 
 @pytest.fixture

@@ -15,8 +15,14 @@ from gpusnap.errors import Corrupt
 from gpusnap.storage import CheckpointStore, ChunkCache, open_store
 from gpusnap.storage.backend import BackendOptions
 from gpusnap.storage.layout import chunk_key
-from tests.storage.conftest import fast_options
-from tests.storage.store_helpers import Keys, MiB, make_tree, random_bytes, tree_contents
+from tests.storage.store_helpers import (
+    Keys,
+    MiB,
+    fast_options,
+    make_tree,
+    random_bytes,
+    tree_contents,
+)
 from tests.support.moto_server import MotoServer
 
 

@@ -21,8 +21,7 @@ from gpusnap.storage.file_backend import RESERVE_BYTES
 from gpusnap.storage.layout import RESERVE_NAME
 from gpusnap.storage.open import open_backend
 from tests.cli._cli import Cli, make_cli, write_tree
-from tests.storage.conftest import StoreUnderTest, fast_options
-from tests.storage.store_helpers import MiB, mounted_tmpfs
+from tests.storage.store_helpers import MiB, StoreUnderTest, fast_options, mounted_tmpfs
 
 # Three ~3 MiB checkpoints, the 4 MiB reserve, and room left over for the filler.
 DISK_SIZE = "24m"

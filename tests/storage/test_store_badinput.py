@@ -19,7 +19,7 @@ from gpusnap.storage.codec import MAX_CHUNK_BYTES, ChunkCodec
 from gpusnap.storage.layout import chunk_key, split_manifest_key
 from gpusnap.storage.manifest import Manifest, check_checkpoint_id, check_workload
 from gpusnap.storage.open import open_backend
-from tests.storage.conftest import StoreUnderTest, fast_options
+from tests.storage.store_helpers import StoreUnderTest, fast_options
 
 ID = "20261130T083000Z-0123456789"
 

@@ -21,11 +21,11 @@ import pytest
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.layout import chunk_key
 from gpusnap.storage.push import PushResult
-from tests.storage.conftest import fast_options
 from tests.storage.store_helpers import (
     Keys,
     MiB,
     Pushed,
+    fast_options,
     file_store,
     pushed_file_store,
     random_bytes,

@@ -8,8 +8,11 @@
         proxy.lose_reply_next(1)           # the next request is applied, its answer is lost
         proxy.go_down()                    # refuse connections (port closed) until go_up()
         proxy.throttle(50e6)               # answers' bodies at most 50 MB/s, all together
+        proxy.cut_next(2, is_part, "dropped")  # the next 2 requests ``is_part(method, path)``
+                                               # matches: dropped (or "reply-lost")
 
-Faults are checked per request, in this order of precedence: down, drop, lose reply, fail.
+Faults are checked per request, in this order of precedence: down, cut, drop, lose reply,
+fail. A client that resets its connection (killed mid-request) gets no traceback on stderr.
 Every request that reaches the proxy is recorded in ``requests`` as ``(method, path_and_query,
 outcome)``, where outcome is ``"forwarded"``, ``"failed"``, ``"dropped"`` or ``"reply-lost"``,
 so tests can assert what the client really sent (retries, multipart parts).
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import http.client
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -171,6 +176,7 @@ class FaultProxy(StartStop):
         self._port: int | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._cut: list[tuple[Callable[[str, str], bool], str, int]] = []
         self.requests: list[tuple[str, str, str]] = []
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -230,6 +236,12 @@ class FaultProxy(StartStop):
         with self._lock:
             self._lose_reply_count = count
 
+    def cut_next(self, count: int, match: Callable[[str, str], bool], how: str) -> None:
+        """The next ``count`` requests ``match(method, path)`` accepts: ``"dropped"`` (no
+        answer) or ``"reply-lost"`` (applied by the store, the answer cut)."""
+        with self._lock:
+            self._cut.append((match, how, count))
+
     def go_down(self) -> None:
         """The server is down: the port refuses connections, open connections are cut."""
         with self._lock:
@@ -272,16 +284,37 @@ class FaultProxy(StartStop):
         with self._lock:
             self._fail_count = self._drop_count = self._lose_reply_count = self._fail_after = 0
             self._fail_until = 0.0
+            self._fail_match = None
+            self._cut.clear()
 
     def outcomes(self) -> list[str]:
         with self._lock:
             return [outcome for _, _, outcome in self.requests]
+
+    def hits(self) -> int:
+        """Requests a fault has hit so far (failed, dropped, or their reply lost)."""
+        return sum(1 for outcome in self.outcomes() if outcome != "forwarded")
+
+    def saw(self, match: Callable[[str, str], bool]) -> int:
+        """Requests so far that ``match(method, path)`` accepts."""
+        with self._lock:
+            seen = list(self.requests)
+        return sum(1 for method, path, _ in seen if match(method, path))
 
     # -- internals ------------------------------------------------------------------------
 
     def _listen(self, port: int) -> None:
         server = _Server(("127.0.0.1", port), _Handler)
         server.proxy = self
+        report = server.handle_error
+
+        def quiet(request: object, client_address: object) -> None:
+            # A client killed mid-request (the point of the chaos tests) resets its
+            # connection: not worth a traceback on stderr. Anything else still gets one.
+            if not isinstance(sys.exc_info()[1], ConnectionError):
+                report(request, client_address)  # type: ignore[arg-type]
+
+        server.handle_error = quiet  # type: ignore[method-assign]
         self._port = server.server_address[1]
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="faultproxy", daemon=True)
@@ -291,6 +324,10 @@ class FaultProxy(StartStop):
         with self._lock:
             if self._down:
                 return "dropped"
+            for i, (match, how, count) in enumerate(self._cut):
+                if count > 0 and match(method, path):
+                    self._cut[i] = (match, how, count - 1)
+                    return how
             if self._drop_count > 0:
                 self._drop_count -= 1
                 return "dropped"

@@ -11,7 +11,6 @@ turns each of those skips into a failure.
 
 from __future__ import annotations
 
-import base64
 import email.parser
 import hashlib
 import os
@@ -20,23 +19,14 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.systemd.nspawn import (
-    FREEZABLE_DIR,
-    REPO,
-    SRC_IN_CONTAINER,
-    BootFailed,
-    Container,
-    cgroup2_mount,
-)
+from tests.systemd.nspawn import FREEZABLE_DIR, REPO, BootFailed, Container, cgroup2_mount
+from tests.systemd.payload import KEY_FILE, Payload, install_command
 
 CACHE = REPO / ".cache" / "nspawn"
-CRIU_DEBS = "/var/cache/gpusnap/criu-debs"  # inside the rootfs (scripts/nspawn-rootfs.sh)
-KEY_FILE = "/etc/gpusnap/signing.key"
 
 
 def unavailable(reason: str) -> None:
@@ -44,17 +34,6 @@ def unavailable(reason: str) -> None:
     if os.environ.get("GPUSNAP_REQUIRE_NSPAWN") == "1":
         pytest.fail(f"GPUSNAP_REQUIRE_NSPAWN=1 but {reason}")
     pytest.skip(reason)
-
-
-@dataclass(frozen=True)
-class Payload:
-    """A wheel of this checkout and a wheelhouse of its runtime dependencies."""
-
-    wheel: Path
-    wheelhouse: Path
-
-    def in_container(self, path: Path) -> str:
-        return f"{SRC_IN_CONTAINER}/{path.relative_to(REPO)}"
 
 
 def _requirements(wheel: Path) -> list[str]:
@@ -97,34 +76,15 @@ def payload() -> Iterator[Payload]:
             building = CACHE / f"wheelhouse-{key[:16]}.{os.getpid()}"
             shutil.rmtree(building, ignore_errors=True)
             _pip("wheel", "--prefer-binary", "-w", str(building), *reqs)
-            building.rename(wheelhouse)
+            try:
+                building.rename(wheelhouse)
+            except OSError:  # another session (an xdist worker) built it meanwhile
+                if not wheelhouse.is_dir():
+                    raise
+                shutil.rmtree(building, ignore_errors=True)
         yield Payload(wheel, wheelhouse)
     finally:
         shutil.rmtree(session, ignore_errors=True)
-
-
-def changed_wheel(wheel: Path, out_dir: Path) -> Path:
-    """The same wheel with one module changed (and its RECORD kept true): an upgrade."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / wheel.name
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
-        record_name = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
-        body = src.read("gpusnap/__init__.py") + b"# upgraded\n"
-        digest = base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
-        for name in src.namelist():
-            if name == record_name:
-                lines = [
-                    f"gpusnap/__init__.py,sha256={digest},{len(body)}"
-                    if line.startswith("gpusnap/__init__.py,")
-                    else line
-                    for line in src.read(name).decode().splitlines()
-                ]
-                dst.writestr(name, "\n".join(lines) + "\n")
-            elif name == "gpusnap/__init__.py":
-                dst.writestr(name, body)
-            else:
-                dst.writestr(name, src.read(name))
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -140,21 +100,6 @@ def rootfs() -> Path:
         ["bash", str(REPO / "scripts/nspawn-rootfs.sh")], "no root filesystem for the container"
     )
     return Path(out.strip().splitlines()[-1])
-
-
-def install_command(payload: Payload, *extra: str, wheel: Path | None = None) -> list[str]:
-    """``scripts/install.sh`` as run in the container: offline, CRIU from the carried .debs."""
-    return [
-        "bash",
-        f"{SRC_IN_CONTAINER}/scripts/install.sh",
-        "--wheel",
-        payload.in_container(wheel or payload.wheel),
-        "--wheelhouse",
-        payload.in_container(payload.wheelhouse),
-        "--criu-debs",
-        CRIU_DEBS,
-        *extra,
-    ]
 
 
 # The session's config: the installed example with the store on the freezable file system

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.systemd.conftest import Payload, changed_wheel
 from tests.systemd.nspawn import REPO
+from tests.systemd.payload import Payload, changed_wheel
 
-pytestmark = pytest.mark.slow
+# The session's wheel and wheelhouse (``payload``) are built once, on the nspawn tests' worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("nspawn")]
 
 INSTALL = REPO / "scripts/install.sh"
 SYSTEM_PYTHON = Path("/usr/bin/python3")

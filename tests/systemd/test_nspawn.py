@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 
-from tests.systemd.conftest import KEY_FILE, Payload, changed_wheel, install_command
 from tests.systemd.nspawn import FREEZABLE_DIR, Container
+from tests.systemd.payload import KEY_FILE, Payload, changed_wheel, install_command
 
-pytestmark = [pytest.mark.nspawn, pytest.mark.slow]
+# One booted container (``machine``) and one wheel (``payload``) for the session: on one xdist
+# worker, not made once per worker.
+pytestmark = [pytest.mark.nspawn, pytest.mark.slow, pytest.mark.xdist_group("nspawn")]
 
 UNIT = "gpusnapd.service"
 DROPIN_DIR = "/etc/systemd/system/gpusnapd.service.d"

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from gpusnap.daemon.host import tmpfsfiles
-from tests.e2e.conftest import Node, Nodes
 from tests.engines.vllm.server import (
     PROMPTS,
     Server,
@@ -34,6 +33,7 @@ from tests.engines.vllm.server import (
 )
 from tests.support import workloads
 from tests.support.criu import criu_or_skip
+from tests.support.daemons import Node, Nodes
 
 log = logging.getLogger(__name__)
 
