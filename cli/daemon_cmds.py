@@ -415,6 +415,10 @@ def _status_text(status: dict[str, Any]) -> str:
     caps = status.get("capabilities")
     if isinstance(caps, dict):
         lines += [f"{name}: {line}" for name, line in caps.items()]
+    criu = status.get("criu")
+    if isinstance(criu, dict) and criu.get("tcp_dump_reason"):
+        can = "yes" if criu.get("tcp_dump") else "no"
+        lines.append(f"criu dumps tcp: {can} ({criu['tcp_dump_reason']})")
     interrupted = status.get("interrupted_at_start")
     if interrupted:
         lines.append(f"interrupted at start: {', '.join(str(j) for j in interrupted)}")

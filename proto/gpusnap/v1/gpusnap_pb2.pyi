@@ -819,6 +819,7 @@ class DaemonStatus(_message.Message):
     TRIGGERS_FIELD_NUMBER: _builtins.int
     TRIGGER_PROVIDER_FIELD_NUMBER: _builtins.int
     STORE_CHECK_FIELD_NUMBER: _builtins.int
+    CRIU_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpusnap's version"""
     node_id: _builtins.str
@@ -859,6 +860,10 @@ class DaemonStatus(_message.Message):
     def store_check(self) -> Global___StoreCheckStatus:
         """The background store check ([store] check_interval): what the last one found."""
 
+    @_builtins.property
+    def criu(self) -> Global___CriuStatus:
+        """the CRIU this daemon dumps with"""
+
     def __init__(
         self,
         *,
@@ -879,16 +884,63 @@ class DaemonStatus(_message.Message):
         triggers: _builtins.bool = ...,
         trigger_provider: _builtins.str = ...,
         store_check: Global___StoreCheckStatus | None = ...,
+        criu: Global___CriuStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store", "store_check", b"store_check"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "criu", b"criu", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store", "store_check", b"store_check"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "store_check", b"store_check", "trigger_provider", b"trigger_provider", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "criu", b"criu", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "store_check", b"store_check", "trigger_provider", b"trigger_provider", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_id: _TypeAlias = _typing.Literal["node_id"]  # noqa: Y015
     _WhichOneofArgType__node_id: _TypeAlias = _typing.Literal["_node_id", b"_node_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__node_id) -> _WhichOneofReturnType__node_id | None: ...
 
 Global___DaemonStatus: _TypeAlias = DaemonStatus  # noqa: Y015
+
+@_typing.final
+class CriuStatus(_message.Message):
+    """The CRIU the daemon dumps with, and whether it can dump TCP sockets on this kernel
+    (docs/api.md, "gpusnap status").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    TCP_DUMP_FIELD_NUMBER: _builtins.int
+    TCP_DUMP_REASON_FIELD_NUMBER: _builtins.int
+    KERNEL_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """the binary; empty when none was found"""
+    version: _builtins.str
+    """"4.2.1"; empty when it cannot be run"""
+    error: _builtins.str
+    """why there is no usable criu; unset when there is one"""
+    tcp_dump: _builtins.bool
+    """it can dump TCP sockets (listeners, connections) here"""
+    tcp_dump_reason: _builtins.str
+    """one line: how that was decided"""
+    kernel: _builtins.str
+    """this kernel's release (uname -r)"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        version: _builtins.str = ...,
+        error: _builtins.str | None = ...,
+        tcp_dump: _builtins.bool = ...,
+        tcp_dump_reason: _builtins.str = ...,
+        kernel: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error", "kernel", b"kernel", "path", b"path", "tcp_dump", b"tcp_dump", "tcp_dump_reason", b"tcp_dump_reason", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___CriuStatus: _TypeAlias = CriuStatus  # noqa: Y015
 
 @_typing.final
 class StoreCheckStatus(_message.Message):
