@@ -21,7 +21,7 @@ import sys
 import traceback
 
 from gpusnap import __version__
-from gpusnap.cli import cache_cmds, daemon_cmds, plan, store_cmds, trigger_cmds
+from gpusnap.cli import cache_cmds, daemon_cmds, plan, preflight_cmds, store_cmds, trigger_cmds
 from gpusnap.cli._common import Parser, UsageError, common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
@@ -32,6 +32,7 @@ COMMAND_MODULES = (
     cache_cmds,
     plan,
     daemon_cmds,
+    preflight_cmds,
     trigger_cmds,
 )
 

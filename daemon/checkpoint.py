@@ -1,7 +1,8 @@
 """The body of a checkpoint job: the steps of DESIGN.md, in order.
 
-Look at the tree -> GPU freeze -> CRIU dump into staging -> (leave-running: GPU thaw; the
-pause ends here) -> stamp -> push to the store (manifest last) -> clean staging.
+Look at the tree -> preflight (what CRIU would refuse: the job fails here, nothing frozen) ->
+GPU freeze -> CRIU dump into staging -> (leave-running: GPU thaw; the pause ends here) -> stamp
+-> push to the store (manifest last) -> clean staging.
 
 The store is asked for the workload's latest checkpoint (the parent) *before* the dump, so an
 unreachable store fails the job while the workload is still untouched. If the upload of a
@@ -28,7 +29,7 @@ from gpusnap.daemon.gpu.adapter import Freeze
 from gpusnap.daemon.gpu_memory import MemoryUploads
 from gpusnap.daemon.gpu_tree import nccl_by_pid, with_processes
 from gpusnap.daemon.hooks import JobHooks
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import preflight, proctree
 from gpusnap.daemon.host.criu import remove_logs
 from gpusnap.daemon.host.files import watched_files
 from gpusnap.daemon.host.pagestream import PageStreamer
@@ -86,6 +87,8 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
 
     look = _look(plan)
     pids = look.pids
+    # What CRIU would refuse, refused here: nothing is frozen yet (host/preflight.py).
+    preflight.require(node.criu, pids)
     nccl = nccl_by_pid(pids)  # while the tree runs: a kill-mode dump ends it
     hooks = JobHooks.for_job(plan.config, plan.workload, ctx, node.dirs.logs)
     hooks.pre_checkpoint(pids)  # a failure fails the job here: nothing is frozen yet

@@ -44,7 +44,7 @@ from gpusnap.daemon.containers import (
 )
 from gpusnap.daemon.gpu.adapter import Freeze
 from gpusnap.daemon.gpu_memory import MemoryUploads
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import preflight, proctree
 from gpusnap.daemon.host.files import watched_files
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
@@ -143,6 +143,8 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
         raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
     pids = list(info.pids)
     tree = proctree.process_tree(pids[0])
+    # The runtime dumps the container's mounts (its /dev/shm too): no tmpfs notes.
+    preflight.require(node.criu, [p.pid for p in tree], tmpfs=False)
     ns = ns_pids(pids)
     watched = _host_files(watched_files(pids), info.spec.mounts)
     engine, model = identity_stamp(plan.config, None)

@@ -257,6 +257,128 @@ class CreateCheckpointRequest(_message.Message):
 Global___CreateCheckpointRequest: _TypeAlias = CreateCheckpointRequest  # noqa: Y015
 
 @_typing.final
+class PreflightRequest(_message.Message):
+    """The target found as Create finds it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    CONTAINER_FIELD_NUMBER: _builtins.int
+    RUNTIME_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    workload: _builtins.str
+    container: _builtins.str
+    """a container's name or id"""
+    runtime: _builtins.str
+    """with container: "podman" | "runc" | "containerd"; empty: detected"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        workload: _builtins.str = ...,
+        container: _builtins.str = ...,
+        runtime: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "pid", b"pid", "target", b"target", "workload", b"workload"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "pid", b"pid", "runtime", b"runtime", "target", b"target", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["pid", "workload", "container"]  # noqa: Y015
+    _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
+
+Global___PreflightRequest: _TypeAlias = PreflightRequest  # noqa: Y015
+
+@_typing.final
+class PreflightResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINTABLE_FIELD_NUMBER: _builtins.int
+    BLOCKERS_FIELD_NUMBER: _builtins.int
+    NOTES_FIELD_NUMBER: _builtins.int
+    checkpointable: _builtins.bool
+    """no blockers"""
+    @_builtins.property
+    def blockers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PreflightBlocker]: ...
+    @_builtins.property
+    def notes(self) -> _containers.RepeatedCompositeFieldContainer[Global___PreflightNote]: ...
+    def __init__(
+        self,
+        *,
+        checkpointable: _builtins.bool = ...,
+        blockers: _abc.Iterable[Global___PreflightBlocker] | None = ...,
+        notes: _abc.Iterable[Global___PreflightNote] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blockers", b"blockers", "checkpointable", b"checkpointable", "notes", b"notes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreflightResponse: _TypeAlias = PreflightResponse  # noqa: Y015
+
+@_typing.final
+class PreflightBlocker(_message.Message):
+    """A reason a checkpoint now would fail, and its fix."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    FIX_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"io_uring" | "ptrace" | "criu" | "tcp" | "unix" """
+    pid: _builtins.int
+    """the process it was found in"""
+    detail: _builtins.str
+    fix: _builtins.str
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        detail: _builtins.str = ...,
+        fix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "fix", b"fix", "kind", b"kind", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreflightBlocker: _TypeAlias = PreflightBlocker  # noqa: Y015
+
+@_typing.final
+class PreflightNote(_message.Message):
+    """Something a checkpoint handles that is worth knowing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"tcp" | "tmpfs" | "lock" """
+    pid: _builtins.int
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "kind", b"kind", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreflightNote: _TypeAlias = PreflightNote  # noqa: Y015
+
+@_typing.final
 class ListCheckpointsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
