@@ -12,22 +12,14 @@ from typing import Any
 from gpusnap.cli._client import connect
 from gpusnap.cli._common import Subparsers, add_command
 from gpusnap.cli._output import emit
-from gpusnap.cli.daemon_cmds import pid_arg
+from gpusnap.cli.daemon_cmds import add_target_arguments
 from gpusnap.errors import EXIT_FAILURE, EXIT_OK
 
 
 def register(subparsers: Subparsers) -> None:
     what = "why a process tree, workload or container cannot be checkpointed now"
     p = add_command(subparsers, "preflight", cmd_preflight, what)
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--pid", type=pid_arg, metavar="PID", help="root of the process tree")
-    target.add_argument("--workload", metavar="NAME", help="a workload from the daemon's config")
-    target.add_argument("--container", metavar="NAME|ID", help="a container")
-    p.add_argument(
-        "--runtime",
-        choices=("podman", "runc", "containerd"),
-        help="the container's runtime (default: the first of the daemon's that has it)",
-    )
+    add_target_arguments(p)
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:

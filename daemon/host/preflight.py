@@ -28,15 +28,17 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gpusnap.daemon.host import journalstream
 from gpusnap.daemon.host.criu import Criu, TcpSupport
 from gpusnap.errors import FailedPrecondition, GpusnapError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 IO_URING = "anon_inode:[io_uring]"
 IO_URING_FIX = (
@@ -154,7 +156,9 @@ def check_tree(
     return report
 
 
-def check_for(criu: Criu, pids: Sequence[int], *, tmpfs: bool = True) -> Report:
+def check_for(
+    criu: Criu, pids: Sequence[int], *, tcp_established: bool = False, tmpfs: bool = True
+) -> Report:
     """``check_tree`` for a dump by ``criu`` (what it can do on this kernel; none usable is a
     blocker where the tree has TCP sockets, and the dump would fail anyway)."""
     try:
@@ -162,13 +166,16 @@ def check_for(criu: Criu, pids: Sequence[int], *, tmpfs: bool = True) -> Report:
     except GpusnapError as err:
         log.warning("preflight: %s", err)
         tcp = None
-    return check_tree(pids, tcp=tcp, tmpfs=tmpfs)
+    return check_tree(pids, tcp=tcp, tcp_established=tcp_established, tmpfs=tmpfs)
 
 
-def require(criu: Criu, pids: Sequence[int], *, tmpfs: bool = True) -> Report:
+def require(
+    criu: Criu, pids: Sequence[int], *, tcp_established: bool = False, tmpfs: bool = True
+) -> Report:
     """What a checkpoint job runs before anything is frozen: the report, or FailedPrecondition
-    with the first blocker's line (the workload untouched)."""
-    report = check_for(criu, pids, tmpfs=tmpfs)
+    with the first blocker's line (the workload untouched). ``tcp_established``: the dump
+    will carry live TCP connections (then a note each, not a blocker)."""
+    report = check_for(criu, pids, tcp_established=tcp_established, tmpfs=tmpfs)
     if not report.checkpointable:
         raise FailedPrecondition(report.refusal())
     return report
@@ -212,6 +219,22 @@ def _tracer(status_path: str) -> int:
     except OSError:
         pass
     return 0
+
+
+def _by_namespace(
+    procs: Iterable[_Proc], ns: str, read: Callable[[int], T]
+) -> Iterator[tuple[_Proc, T]]:
+    """Each process with what ``read(pid)`` says of its namespace ``ns`` ("net", "mnt"), read
+    once per namespace (the same object for every process in it)."""
+    seen: dict[str, T] = {}
+    for p in procs:
+        try:
+            key = os.readlink(f"/proc/{p.pid}/ns/{ns}")
+        except OSError:
+            continue  # gone
+        if key not in seen:
+            seen[key] = read(p.pid)
+        yield p, seen[key]
 
 
 def _comm(pid: int) -> str:
@@ -261,21 +284,11 @@ class _TcpSocket:
 def _tcp(
     procs: Sequence[_Proc], report: Report, tcp: TcpSupport | None, tcp_established: bool
 ) -> None:
-    tables: dict[str, dict[int, _TcpSocket]] = {}  # network namespace -> inode -> socket
     found: list[tuple[int, _TcpSocket]] = []
-    for p in procs:
-        inodes = p.sockets()
-        if not inodes:
-            continue
-        try:
-            netns = os.readlink(f"/proc/{p.pid}/ns/net")
-        except OSError:
-            continue
-        if netns not in tables:
-            tables[netns] = _tcp_table(p.pid)
-        table = tables[netns]
+    holders = [p for p in procs if p.sockets()]
+    for p, table in _by_namespace(holders, "net", _tcp_table):
         # A socket shared after a fork is the first holder's (the tree comes root first).
-        found += [(p.pid, table.pop(i)) for i in inodes if i in table]
+        found += [(p.pid, table.pop(i)) for i in p.sockets() if i in table]
     if not found:
         return
     if tcp is None or not tcp.ok:
@@ -412,16 +425,8 @@ class _TmpfsFile:
 
 
 def _tmpfs(procs: Sequence[_Proc], report: Report) -> None:
-    mounts: dict[str, list[str]] = {}  # mount namespace -> its tmpfs mount points
     files: dict[tuple[int, int], _TmpfsFile] = {}
-    for p in procs:
-        try:
-            mntns = os.readlink(f"/proc/{p.pid}/ns/mnt")
-        except OSError:
-            continue
-        if mntns not in mounts:
-            mounts[mntns] = _tmpfs_mounts(p.pid)
-        points = mounts[mntns]
+    for p, points in _by_namespace(procs, "mnt", _tmpfs_mounts):
         if not points:
             continue
         entries = [(f"/proc/{p.pid}/fd/{fd}", t, "open") for fd, t in p.fds]
