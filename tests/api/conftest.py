@@ -283,6 +283,14 @@ class FakeService:
             ],
             "interrupted_at_start": ["job-0"],
             "triggers": False,
+            "criu": {
+                "path": "/usr/local/sbin/criu",
+                "version": "4.1.1",
+                "error": None,
+                "tcp_dump": False,
+                "tcp_dump_reason": "criu 4.1.1 cannot dump TCP sockets on this kernel",
+                "kernel": "6.18.0",
+            },
             "store_check": {
                 "interval_seconds": 21600.0,
                 "last_check_at": T0,

@@ -235,11 +235,12 @@ def test_a_process_that_cannot_be_dumped_gets_a_one_line_error_and_runs_on(
         assert ck.json["state"] == "failed"
         lines = ck.stderr.strip().splitlines()
         assert len(lines) == 1
-        # Established TCP is one thing CRIU refuses without --tcp-established (and on some
-        # kernels it cannot read the socket at all); either way the error names the dump log.
-        assert f"criu dump of pid {proc.pid}" in lines[0]
-        assert "dump.log" in lines[0]
-        assert proc.poll() is None  # a failed dump leaves the process running
+        # Established TCP is one thing CRIU refuses without --tcp-established: the job's
+        # preflight says so, with the fix, before anything is frozen (CRIU is not run).
+        assert f"cannot checkpoint now: pid {proc.pid}: TCP connection 127.0.0.1:" in lines[0]
+        assert "--tcp-established" in lines[0]
+        assert "criu dump" not in node.log()
+        assert proc.poll() is None  # a refused checkpoint leaves the process running
         assert not list((node.state_dir / "staging").iterdir())
     finally:
         proc.kill()
