@@ -244,6 +244,20 @@ class DaemonClient(AbstractContextManager["DaemonClient"]):
         message = pb.RestoreRequest(**_given(request))
         return wire.job_from_pb(self._unary(self._restores.Restore, message))
 
+    def preflight(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        container: str | None = None,
+        runtime: str | None = None,
+    ) -> dict[str, Any]:
+        """``Checkpoints.Preflight``: ``checkpointable``, ``blockers`` (``kind``, ``pid``,
+        ``detail``, ``fix``) and ``notes`` (``kind``, ``pid``, ``detail``)."""
+        target = {"pid": pid, "workload": workload, "container": container, "runtime": runtime}
+        message = pb.PreflightRequest(**_given(target))
+        return wire.from_message(self._unary(self._checkpoints.Preflight, message))
+
     def compat(self, checkpoint_id: str) -> dict[str, Any]:
         request = pb.CompatRequest(checkpoint_id=checkpoint_id)
         return wire.from_message(self._unary(self._restores.Compat, request))

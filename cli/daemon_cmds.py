@@ -50,15 +50,7 @@ _STATE_KINDS = {"failed": "internal", "cancelled": "cancelled", "interrupted": "
 def register(subparsers: Subparsers) -> None:
     what = "checkpoint a process tree, a configured workload or a container"
     p = add_command(subparsers, "checkpoint", cmd_checkpoint, what)
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--pid", type=pid_arg, metavar="PID", help="root of the process tree")
-    target.add_argument("--workload", metavar="NAME", help="a workload from the daemon's config")
-    target.add_argument("--container", metavar="NAME|ID", help="a container, with its GPU state")
-    p.add_argument(
-        "--runtime",
-        choices=("podman", "runc", "containerd"),
-        help="the container's runtime (default: the first of the daemon's that has it)",
-    )
+    add_target_arguments(p)
     p.add_argument(
         "--leave-running", action="store_true", help="keep the workload running after the dump"
     )
@@ -90,6 +82,20 @@ def register(subparsers: Subparsers) -> None:
     add_show_env(p)
     add_command(subparsers, "workloads", cmd_workloads, "list configured workloads")
     add_command(subparsers, "status", cmd_status, "the daemon's status")
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """What a checkpoint (or a preflight) takes: exactly one of ``--pid``, ``--workload`` and
+    ``--container``, and a container's ``--runtime``."""
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pid", type=pid_arg, metavar="PID", help="root of the process tree")
+    target.add_argument("--workload", metavar="NAME", help="a workload from the daemon's config")
+    target.add_argument("--container", metavar="NAME|ID", help="a container, with its GPU state")
+    p.add_argument(
+        "--runtime",
+        choices=("podman", "runc", "containerd"),
+        help="the container's runtime (default: the first of the daemon's that has it)",
+    )
 
 
 def pid_arg(text: str) -> int:
@@ -417,6 +423,10 @@ def _status_text(status: dict[str, Any]) -> str:
     caps = status.get("capabilities")
     if isinstance(caps, dict):
         lines += [f"{name}: {line}" for name, line in caps.items()]
+    criu = status.get("criu")
+    if isinstance(criu, dict) and criu.get("tcp_dump_reason"):
+        can = "yes" if criu.get("tcp_dump") else "no"
+        lines.append(f"criu dumps tcp: {can} ({criu['tcp_dump_reason']})")
     interrupted = status.get("interrupted_at_start")
     if interrupted:
         lines.append(f"interrupted at start: {', '.join(str(j) for j in interrupted)}")

@@ -21,7 +21,15 @@ import sys
 import traceback
 
 from gpusnap import __version__
-from gpusnap.cli import cache_cmds, daemon_cmds, exec_cmd, plan, store_cmds, trigger_cmds
+from gpusnap.cli import (
+    cache_cmds,
+    daemon_cmds,
+    exec_cmd,
+    plan,
+    preflight_cmds,
+    store_cmds,
+    trigger_cmds,
+)
 from gpusnap.cli._common import Parser, UsageError, common_parser
 from gpusnap.cli._output import PROG, print_error
 from gpusnap.errors import EXIT_FAILURE, GpusnapError
@@ -33,6 +41,7 @@ COMMAND_MODULES = (
     cache_cmds,
     plan,
     daemon_cmds,
+    preflight_cmds,
     trigger_cmds,
     exec_cmd,
 )

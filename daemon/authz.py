@@ -162,26 +162,50 @@ class CallerView:
     # --- what acts on processes -----------------------------------------------------------
 
     def checkpoint(self, **request: Unpack[CheckpointArgs]) -> JobView:
-        if request["workload"] is not None:
-            self._check_workload(request["workload"], "checkpoint")
-        elif request["pid"] is not None:
-            root = pid_root(request["pid"])
+        self._check_target(
+            request["pid"], request["workload"], request["container"], request["runtime"]
+        )
+        # A workload the caller is allowed is the operator's grant, whoever it runs as; an
+        # ad-hoc tree must still be the caller's own when the job looks at it.
+        run_as = None if request["workload"] is not None else self._who.uid
+        return self._started(self._service.checkpoint_as(run_as, **request))
+
+    def preflight(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        container: str | None = None,
+        runtime: str | None = None,
+    ) -> Mapping[str, Any]:
+        # What preflight reads of a tree (its sockets, files, locks) is the caller's only
+        # where the tree is one the caller may checkpoint.
+        self._check_target(pid, workload, container, runtime)
+        return self._service.preflight(
+            pid=pid, workload=workload, container=container, runtime=runtime
+        )
+
+    def _check_target(
+        self, pid: int | None, workload: str | None, container: str | None, runtime: str | None
+    ) -> None:
+        """The caller may checkpoint this target: a workload that allows them, or a tree (a
+        pid's, a container's) that runs entirely as them."""
+        if workload is not None:
+            self._check_workload(workload, "checkpoint")
+        elif pid is not None:
+            root = pid_root(pid)
             self._check_named(proctree.workload_name(root))
             self._check_tree(proctree.tree_pids(root), f"pid {root}")
-        elif request["container"] is not None:
-            _, info = self._containers.find(request["container"], request["runtime"])
+        elif container is not None:
+            _, info = self._containers.find(container, runtime)
             for w in self._rules.config.workloads:
-                if w.container in (request["container"], info.name, info.id):
+                if w.container in (container, info.name, info.id):
                     self._check_workload(w.name, "checkpoint")
                     break
             else:
                 self._check_named(info.name)
             pids = [p for pid in info.pids for p in proctree.tree_pids(pid)]
             self._check_tree(pids, f"container {info.name}")
-        # A workload the caller is allowed is the operator's grant, whoever it runs as; an
-        # ad-hoc tree must still be the caller's own when the job looks at it.
-        run_as = None if request["workload"] is not None else self._who.uid
-        return self._started(self._service.checkpoint_as(run_as, **request))
 
     def restore(self, **request: Unpack[RestoreArgs]) -> JobView:
         checkpoint_id = request["checkpoint_id"]

@@ -30,7 +30,7 @@ from gpusnap.daemon.config.file import Config, WorkloadConfig
 from gpusnap.daemon.containers import RuntimeSet
 from gpusnap.daemon.gate.verdict import CompatVerdict
 from gpusnap.daemon.gpu.adapter import GpuAdapter, open_gpu
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import preflight, proctree
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.daemon.host.reaper import Reaper
 from gpusnap.daemon.host.target import pid_root, workload_root
@@ -51,7 +51,13 @@ from gpusnap.daemon.pipelines.container_checkpoint import (
 )
 from gpusnap.daemon.pipelines.restore import RestorePlan, run_restore
 from gpusnap.daemon.reclaim.runtime import ReclaimRuntime
-from gpusnap.errors import GpusnapError, InvalidArgument, NotFound, Unsupported
+from gpusnap.errors import (
+    FailedPrecondition,
+    GpusnapError,
+    InvalidArgument,
+    NotFound,
+    Unsupported,
+)
 from gpusnap.storage.manifest import check_checkpoint_id, check_workload
 
 log = logging.getLogger(__name__)
@@ -161,18 +167,7 @@ class DaemonService:
     ) -> Job:
         """Queue a checkpoint; returns at once. ``compress`` None: the config decides.
         ``run_as``: the job refuses a tree with a process that does not run as this uid."""
-        if [pid, workload, container].count(None) != 2:
-            raise InvalidArgument("give exactly one of a pid, a workload name or a container")
-        if runtime is not None and container is None:
-            raise InvalidArgument("a runtime goes with a container (--container NAME --runtime)")
-        wcfg: WorkloadConfig | None = None
-        if workload is not None:
-            wcfg = self.config.workload(workload)
-            if wcfg is None:
-                known = ", ".join(w.name for w in self.config.workloads) or "none"
-                raise NotFound(f"no workload {workload!r} in the config (configured: {known})")
-        if wcfg is not None and wcfg.container is not None:
-            container, runtime = wcfg.container, wcfg.runtime
+        wcfg, container, runtime = self._target(pid, workload, container, runtime)
         if container is not None:
             return self._checkpoint_container(
                 container,
@@ -206,6 +201,49 @@ class DaemonService:
         return self._submit_checkpoint(
             name, lambda ctx: run_checkpoint(node, ctx, plan), trigger, deadline
         )
+
+    def _target(
+        self, pid: int | None, workload: str | None, container: str | None, runtime: str | None
+    ) -> tuple[WorkloadConfig | None, str | None, str | None]:
+        """A checkpoint's (or a preflight's) target checked: the workload's config, and the
+        container and runtime (a configured container workload's)."""
+        if [pid, workload, container].count(None) != 2:
+            raise InvalidArgument("give exactly one of a pid, a workload name or a container")
+        if runtime is not None and container is None:
+            raise InvalidArgument("a runtime goes with a container (--container NAME --runtime)")
+        wcfg: WorkloadConfig | None = None
+        if workload is not None:
+            wcfg = self.config.workload(workload)
+            if wcfg is None:
+                known = ", ".join(w.name for w in self.config.workloads) or "none"
+                raise NotFound(f"no workload {workload!r} in the config (configured: {known})")
+        if wcfg is not None and wcfg.container is not None:
+            container, runtime = wcfg.container, wcfg.runtime
+        return wcfg, container, runtime
+
+    def preflight(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        container: str | None = None,
+        runtime: str | None = None,
+    ) -> dict[str, Any]:
+        """Every reason the target cannot be checkpointed now (``host/preflight.py``), found
+        the way a checkpoint finds it; nothing is frozen. The ``gpusnap preflight`` document."""
+        wcfg, container, runtime = self._target(pid, workload, container, runtime)
+        if container is not None:
+            rt, info = self.node.containers.find(container, runtime)
+            if not info.running:
+                raise FailedPrecondition(f"{rt.name}: container {info.name!r} is not running")
+            tree = proctree.tree_pids(info.pids[0])
+            return preflight.check_for(self.node.criu, tree, tmpfs=False).to_json()
+        if wcfg is not None:
+            root = workload_root(wcfg)
+        else:
+            assert pid is not None
+            root = pid_root(pid)
+        return preflight.check_for(self.node.criu, proctree.tree_pids(root)).to_json()
 
     def _checkpoint_container(
         self,

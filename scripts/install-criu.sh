@@ -1,38 +1,48 @@
 #!/usr/bin/env bash
-# Installs CRIU >= 4.0 for gpusnap on Debian 12 or 13 (run as root; scripts/bootstrap.sh calls it).
+# Installs CRIU >= 4.2 for gpusnap on Debian 12 or 13 (run as root; scripts/bootstrap.sh calls it).
 #
-# Debian 13+ : `apt-get install criu` (4.1).
-# Debian 12  : bookworm's criu 3.17 cannot run on current kernels ("vdso: Unexpected rt vDSO area
-#              bounds"), so Debian 13's criu and the libraries it needs are downloaded from the
-#              trixie suite, unpacked (dpkg -x, nothing is installed) into $PREFIX, and run through
-#              the prefix's own dynamic loader by a wrapper at $WRAPPER. The trixie suite is added
-#              to apt (unless a trixie source is configured already: that one is used) with a pin
-#              of priority 1, so apt never installs or upgrades anything from it by itself; we
-#              only ever ask for explicit `pkg/trixie` downloads.
+# Why 4.2: CRIU 4.1.1 (Debian 13's) fails on every TCP socket on Linux >= 6.16 ("sockets: Can't
+# get 1:16 opt: Operation not supported", criu#2705, fixed in 4.2), so it cannot dump a network
+# server on current kernels. Debian unstable ships 4.2.1.
 #
-# Idempotent: when a working criu >= 4.0 is already there it only checks and exits.
+# Debian 12 and 13: Debian unstable's criu, libcompel1, libnet9 and libnl-3-200 (criu 4.2.1 wants
+# libnl >= 3.11; trixie has 3.7) and Debian 13's libraries for the rest of criu's dependencies are
+# downloaded, unpacked (dpkg -x, nothing is installed) into $PREFIX, and run through the
+# prefix's own dynamic loader by a wrapper at $WRAPPER. The sid suite (and on Debian 12 the
+# trixie suite) is added to apt (unless such a source is configured already: that one is used)
+# with a pin of priority 1, so apt never installs or upgrades anything from it by itself; we only
+# ever ask for explicit `pkg/sid` and `pkg/trixie` downloads.
+# Other Debian (testing, unstable) and other distributions: the distribution's criu, if >= 4.2.
+#
+# Idempotent: when a working criu >= 4.2 is already there it only checks and exits (an older one,
+# such as an earlier run's 4.1.1, is replaced).
 # See docs/operations-criu.md.
 #
 # Two more modes, for machines that reach no network (tests/gpu/device-check.sh):
-#   install-criu.sh --download-debs DIR   download the Debian 13 packages below into DIR (no root;
-#                                         apt runs on a private state; any Debian/Ubuntu with apt)
-#   install-criu.sh --from-debs DIR       the Debian 12 path from those files instead of apt, on any
-#                                         amd64 Linux (run as root; no network, no apt, /etc untouched)
+#   install-criu.sh --download-debs DIR   download the packages below into DIR (no root; apt runs
+#                                         on a private state; any Debian/Ubuntu with apt)
+#   install-criu.sh --from-debs DIR       the private prefix from those files instead of apt, on
+#                                         any amd64 Linux (run as root; no network, no apt, /etc
+#                                         untouched)
 # GPUSNAP_CRIU_PREFIX and GPUSNAP_CRIU_WRAPPER move the prefix and the wrapper (e.g. under /tmp).
 set -euo pipefail
 
 PREFIX=${GPUSNAP_CRIU_PREFIX:-/opt/gpusnap/criu}
 WRAPPER=${GPUSNAP_CRIU_WRAPPER:-/usr/local/sbin/criu}
-MIN_MAJOR=4
+MIN_VERSION=4.2
 work=
 TRIXIE_SOURCES=/etc/apt/sources.list.d/gpusnap-trixie.sources
 TRIXIE_PIN=/etc/apt/preferences.d/gpusnap-trixie
-# criu, libcompel1 and the closure of their Depends in trixie (the private loader resolves every
+SID_SOURCES=/etc/apt/sources.list.d/gpusnap-sid.sources
+SID_PIN=/etc/apt/preferences.d/gpusnap-sid
+# From Debian unstable: criu 4.2.1 and what it needs at a version trixie lacks.
+SID_PACKAGES=(criu libcompel1 libnet9 libnl-3-200)
+# From Debian 13: the rest of the closure of their Depends (the private loader resolves every
 # library inside the prefix; the check below fails the install if one resolves outside it).
 TRIXIE_PACKAGES=(
-  criu libcompel1 libc6 libgcc-s1 gcc-14-base libbsd0 libmd0 libgnutls30t64 libgmp10
-  libhogweed6t64 libnettle8t64 libidn2-0 libunistring5 libp11-kit0 libffi8 libtasn1-6 libnet1
-  libnftables1 libjansson4 libmnl0 libnftnl11 libxtables12 libnl-3-200 libprotobuf-c1 libuuid1
+  libc6 libgcc-s1 gcc-14-base libbsd0 libmd0 libgnutls30t64 libgmp10 libhogweed6t64
+  libnettle8t64 libidn2-0 libunistring5 libp11-kit0 libffi8 libtasn1-6 libnftables1 libjansson4
+  libmnl0 libnftnl11 libxtables12 libprotobuf-c1 libuuid1
 )
 
 log() { echo "install-criu: $*" >&2; }
@@ -46,13 +56,18 @@ criu_version() {
   "$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9][0-9.]*\).*/\1/p' | head -n1
 }
 
-# True when $1 is a criu >= MIN_MAJOR that passes `criu check`.
+# True when version $1 >= version $2 (dotted numbers).
+version_ge() {
+  [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]
+}
+
+# True when $1 is a criu >= MIN_VERSION that passes `criu check`.
 criu_works() {
   local bin=$1 ver
   [ -x "$bin" ] || return 1
   ver=$(criu_version "$bin")
   [ -n "$ver" ] || return 1
-  [ "${ver%%.*}" -ge "$MIN_MAJOR" ] || return 1
+  version_ge "$ver" "$MIN_VERSION" || return 1
   "$bin" check >/dev/null 2>&1
 }
 
@@ -74,7 +89,7 @@ case "${1:-}" in
   *) die "usage: $0 [--from-debs DIR | --download-debs DIR]" ;;
 esac
 
-# --download-debs: TRIXIE_PACKAGES into $debs_dir, through a private apt state (no root needed).
+# --download-debs: SID_PACKAGES and TRIXIE_PACKAGES into $debs_dir, through a private apt state (no root needed).
 download_debs() {
   command -v apt-get >/dev/null || die "--download-debs needs apt-get"
   [ -s /usr/share/keyrings/debian-archive-keyring.gpg ] \
@@ -83,17 +98,21 @@ download_debs() {
   work=$(mktemp -d /tmp/gpusnap-apt.XXXXXX)
   trap 'rm -rf "$work"' EXIT
   mkdir -p "$work/lists/partial" "$work/cache/archives/partial"
-  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main" \
-    >"$work/sources.list"
+  local suite p specs=()
+  for suite in trixie sid; do
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $suite main"
+  done >"$work/sources.list"
+  for p in "${SID_PACKAGES[@]}"; do specs+=("$p/sid"); done
+  for p in "${TRIXIE_PACKAGES[@]}"; do specs+=("$p/trixie"); done
   local apt=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=/dev/null"
     -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache" -o "APT::Architecture=amd64"
     -o "APT::Architectures=amd64" -o "Debug::NoLocking=1" -o "APT::Sandbox::User=$(id -un)"
     -o "Dir::State::status=/dev/null" -o "Dir::Etc::Preferences=/dev/null"
     -o "Dir::Etc::PreferencesParts=/dev/null")
-  apt-get "${apt[@]}" update -qq || die "apt-get update (trixie, private state) failed"
+  apt-get "${apt[@]}" update -qq || die "apt-get update (trixie and sid, private state) failed"
   rm -f "$debs_dir"/*.deb
-  (cd "$debs_dir" && apt-get "${apt[@]}" download -qq "${TRIXIE_PACKAGES[@]}") \
-    || die "apt-get download from trixie failed"
+  (cd "$debs_dir" && apt-get "${apt[@]}" download -qq "${specs[@]}") \
+    || die "apt-get download from trixie and sid failed"
   log "downloaded $(ls "$debs_dir"/*.deb | wc -l) packages ($(du -sh "$debs_dir" | cut -f1)) into $debs_dir"
 }
 
@@ -167,51 +186,62 @@ install_from_apt() {
   local bin
   bin=$(command -v criu || true)
   [ -n "$bin" ] || die "apt-get install criu gave no criu binary"
-  criu_works "$bin" || die "criu $(criu_version "$bin") from apt does not work here (need >= $MIN_MAJOR.0 and a passing 'criu check'); see docs/operations-criu.md"
+  criu_works "$bin" || die "criu $(criu_version "$bin") from apt does not work here (need >= $MIN_VERSION and a passing 'criu check'); see docs/operations-criu.md"
   summary "$bin" "apt"
 }
 
-# Where apt already reads a "trixie main" deb source from, other than our own file ("FILE:LINE"
-# as apt names it), or nothing. apt itself parses every sources format, so this is its answer.
-trixie_source_elsewhere() {
+# Where apt already reads a "$1 main" deb source from ($1: trixie, or sid which a source may
+# call unstable), other than our own file $2 ("FILE:LINE" as apt names it), or nothing. apt
+# itself parses every sources format, so this is its answer.
+source_elsewhere() {
+  local suite=$1 ours=$2 alias=$1
+  [ "$suite" != sid ] || alias=unstable
   apt-get indextargets --no-release-info \
     --format '$(TARGET_OF) $(RELEASE) $(COMPONENT) $(IDENTIFIER) $(SOURCESENTRY)' 2>/dev/null \
-    | awk -v ours="$TRIXIE_SOURCES:" '$1 == "deb" && $2 == "trixie" && $3 == "main" &&
-        $4 == "Packages" && index($5, ours) != 1 { print $5; exit }'
+    | awk -v ours="$ours:" -v s="$suite" -v a="$alias" '$1 == "deb" && ($2 == s || $2 == a) &&
+        $3 == "main" && $4 == "Packages" && index($5, ours) != 1 { print $5; exit }'
 }
 
-install_private_trixie() {
-  [ "$arch" = amd64 ] || die "the Debian 12 path supports amd64 only (this is $arch); install CRIU >= 4.0 by hand"
-  log "Debian 12: fetching Debian 13's criu into $PREFIX (system packages are not touched)"
-
-  # A trixie source the admin configured already is used as it is: a second one for the same
-  # suite makes apt warn "configured multiple times" on every run. Ours, from an earlier run,
-  # goes then.
-  local configured
-  configured=$(trixie_source_elsewhere)
+# Makes apt read suite $1 ($2: its name in words) from our sources file $3, pinned at priority 1
+# in $4, unless a source for it is configured already (that one is used: a second one for the
+# same suite makes apt warn "configured multiple times" on every run; ours, from an earlier run,
+# goes then). The pin is written either way: apt never picks anything from $1 by itself.
+add_pinned_suite() {
+  local suite=$1 words=$2 sources=$3 pin=$4 configured
+  configured=$(source_elsewhere "$suite" "$sources")
   if [ -n "$configured" ]; then
-    log "using the Debian 13 source already configured in $configured"
-    rm -f "$TRIXIE_SOURCES"
-  elif [ ! -f "$TRIXIE_SOURCES" ]; then
-    cat >"$TRIXIE_SOURCES" <<'EOF'
-# Added by gpusnap scripts/install-criu.sh: Debian 13's criu is unpacked into /opt/gpusnap/criu.
-# Pinned to priority 1 in /etc/apt/preferences.d/gpusnap-trixie: apt never installs or upgrades
-# anything from trixie unless asked for by name (pkg/trixie).
+    log "using the $words source already configured in $configured"
+    rm -f "$sources"
+  elif [ ! -f "$sources" ]; then
+    cat >"$sources" <<EOF
+# Added by gpusnap scripts/install-criu.sh: packages from $words are
+# unpacked into /opt/gpusnap/criu for a private CRIU. Pinned to priority 1 in
+# $pin: apt never installs or upgrades anything
+# from $suite unless asked for by name (pkg/$suite).
 Types: deb
 URIs: http://deb.debian.org/debian
-Suites: trixie
+Suites: $suite
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 EOF
   fi
-  cat >"$TRIXIE_PIN" <<'EOF'
-# Added by gpusnap scripts/install-criu.sh: never pick packages from trixie on this Debian 12 system.
+  cat >"$pin" <<EOF
+# Added by gpusnap scripts/install-criu.sh: never pick packages from $suite on this system.
 Package: *
-Pin: release n=trixie
+Pin: release n=$suite
 Pin-Priority: 1
 EOF
+}
+
+# Debian 12 and 13: Debian unstable's criu with Debian 13's libraries, in $PREFIX.
+install_private() {
+  [ "$arch" = amd64 ] || die "the private CRIU supports amd64 only (this is $arch); install CRIU >= $MIN_VERSION by hand"
+  log "$PRETTY_NAME: fetching Debian unstable's criu into $PREFIX (system packages are not touched)"
   [ -s /usr/share/keyrings/debian-archive-keyring.gpg ] \
     || die "missing /usr/share/keyrings/debian-archive-keyring.gpg; apt-get install debian-archive-keyring"
+  # Debian 13 reads trixie already (the system's own release, never pinned down).
+  [ "$major" -ge 13 ] || add_pinned_suite trixie "Debian 13 (trixie)" "$TRIXIE_SOURCES" "$TRIXIE_PIN"
+  add_pinned_suite sid "Debian unstable (sid)" "$SID_SOURCES" "$SID_PIN"
   apt-get update -qq
 
   work=$(mktemp -d /tmp/gpusnap-criu.XXXXXX)
@@ -219,22 +249,23 @@ EOF
   chmod 755 "$work"
   chown _apt "$work" 2>/dev/null || true # apt downloads as its sandbox user
 
-  local specs=()
+  local p specs=()
+  for p in "${SID_PACKAGES[@]}"; do specs+=("$p/sid"); done
   for p in "${TRIXIE_PACKAGES[@]}"; do specs+=("$p/trixie"); done
-  (cd "$work" && apt-get download -qq "${specs[@]}") || die "apt-get download from trixie failed"
-  install_prefix_from "$work" "Debian 13 criu in $PREFIX"
+  (cd "$work" && apt-get download -qq "${specs[@]}") || die "apt-get download from sid and trixie failed"
+  install_prefix_from "$work" "Debian unstable criu in $PREFIX"
 }
 
 install_from_debs() {
   [ "$arch" = amd64 ] || die "the carried packages are amd64 (this is $arch)"
   [ -d "$debs_dir" ] || die "no folder $debs_dir"
   local p missing=()
-  for p in "${TRIXIE_PACKAGES[@]}"; do
+  for p in "${SID_PACKAGES[@]}" "${TRIXIE_PACKAGES[@]}"; do
     compgen -G "$debs_dir/${p}_*.deb" >/dev/null || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] || die "$debs_dir lacks: ${missing[*]} (run $0 --download-debs $debs_dir)"
-  log "unpacking Debian 13's criu from $debs_dir into $PREFIX (no network, nothing installed)"
-  install_prefix_from "$debs_dir" "Debian 13 criu in $PREFIX, from $debs_dir"
+  log "unpacking Debian unstable's criu from $debs_dir into $PREFIX (no network, nothing installed)"
+  install_prefix_from "$debs_dir" "Debian unstable criu in $PREFIX, from $debs_dir"
 }
 
 # Unpacks every .deb of $1 into $PREFIX (through $PREFIX.new), checks that criu resolves every
@@ -254,8 +285,15 @@ install_prefix_from() {
   # Every library must come from the prefix: a bookworm library next to trixie's libc is a trap.
   local outside
   outside=$("$ld" --library-path "$libdir" --list "$staging/usr/sbin/criu" \
-    | awk '/=>/ && $3 !~ "^'"$staging"'/" {print $1}')
+    | awk '/=>/ && $3 !~ "^'"$staging"'/" {print $1}') \
+    || die "the criu in $src does not load with its libraries (run $0 --download-debs DIR again)"
   [ -z "$outside" ] || die "libraries resolved outside $PREFIX: $outside (add their trixie packages to TRIXIE_PACKAGES)"
+  # Checked before anything is replaced: an old folder of .debs must not downgrade a working one.
+  local ver
+  ver=$("$ld" --library-path "$libdir" "$staging/usr/sbin/criu" --version 2>/dev/null \
+    | sed -n 's/^Version: *\([0-9][0-9.]*\).*/\1/p' | head -n1)
+  [ -n "$ver" ] && version_ge "$ver" "$MIN_VERSION" \
+    || die "the criu in $src is ${ver:-unreadable}, not >= $MIN_VERSION (run $0 --download-debs DIR again)"
 
   rm -rf "$PREFIX.old"
   [ ! -e "$PREFIX" ] || mv "$PREFIX" "$PREFIX.old"
@@ -265,8 +303,9 @@ install_prefix_from() {
   local tmp_wrapper=$WRAPPER.tmp.$$
   cat >"$tmp_wrapper" <<EOF
 #!/bin/sh
-# Installed by gpusnap scripts/install-criu.sh: Debian 13's CRIU, unpacked in $PREFIX, run
-# through that prefix's own dynamic loader and libraries (bookworm's glibc is too old for it).
+# Installed by gpusnap scripts/install-criu.sh: Debian unstable's CRIU with Debian 13's
+# libraries, unpacked in $PREFIX, run through that prefix's own dynamic loader and libraries
+# (the system's glibc and libnl may be too old for it).
 # --library-path applies to criu alone; the programs criu runs get the normal environment.
 P=$PREFIX
 L=\$P/usr/lib/x86_64-linux-gnu
@@ -285,9 +324,9 @@ if [ "$mode" = from-debs ]; then
 fi
 
 case "$distro_id:$major:$codename" in
-  debian:12:* | debian:*:bookworm) install_private_trixie ;;
+  debian:12:* | debian:*:bookworm | debian:13:* | debian:*:trixie) install_private ;;
   debian:*)
-    # 13 (trixie) and later, testing and sid: the distribution's criu is new enough.
+    # testing and sid: the distribution's criu is new enough.
     install_from_apt
     ;;
   *)

@@ -13,7 +13,7 @@
 #   - gpusnap-criu-sysctl.service: a oneshot that mounts a fresh proc and binds ns_last_pid,
 #     sem_next_id, msg_next_id and shm_next_id from it over the read-only /proc/sys that
 #     nspawn gives the container (CRIU writes them; `criu check` fails without);
-#   - Debian 13's CRIU packages in /var/cache/gpusnap/criu-debs, for
+#   - the CRIU packages (scripts/install-criu.sh's) in /var/cache/gpusnap/criu-debs, for
 #     `scripts/install.sh --criu-debs` inside the container (no network there);
 #   - getty and apt's timers masked: nothing in the container starts on its own but systemd.
 # The cache key hashes this script and install-criu.sh (whose package list lands inside), so
@@ -71,7 +71,7 @@ debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$root" "$MIRROR" \
   die "debootstrap failed (log above)"
 }
 
-log "downloading Debian 13's CRIU packages into /var/cache/gpusnap/criu-debs"
+log "downloading the CRIU packages into /var/cache/gpusnap/criu-debs"
 bash scripts/install-criu.sh --download-debs "$root/var/cache/gpusnap/criu-debs"
 
 cat >"$root/etc/systemd/system/gpusnap-criu-sysctl.service" <<'EOF'

@@ -59,6 +59,18 @@ class DaemonServiceAPI(Protocol):
         a container checkpoint restored as that container."""
         ...
 
+    def preflight(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        container: str | None = None,
+        runtime: str | None = None,
+    ) -> Mapping[str, Any]:
+        """Why the target cannot be checkpointed now: ``checkpointable``, ``blockers``,
+        ``notes`` (``PreflightResponse``'s fields)."""
+        ...
+
     def compat(self, checkpoint_id: str) -> VerdictView:
         """The compatibility gate's verdict for this node, without acting on it."""
         ...

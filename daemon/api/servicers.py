@@ -101,6 +101,19 @@ class CheckpointsServicer(_Servicer, pb_grpc.CheckpointsServicer):
         )
         return wire.job_to_pb(job)
 
+    @_unary("preflight")
+    def Preflight(
+        self, svc: DaemonServiceAPI, request: pb.PreflightRequest
+    ) -> pb.PreflightResponse:
+        target = request.WhichOneof("target")
+        report = svc.preflight(
+            pid=request.pid if target == "pid" else None,
+            workload=request.workload if target == "workload" else None,
+            container=request.container if target == "container" else None,
+            runtime=request.runtime or None,
+        )
+        return wire.to_message(pb.PreflightResponse, report)
+
     @_unary("list checkpoints")
     def List(
         self, svc: DaemonServiceAPI, request: pb.ListCheckpointsRequest

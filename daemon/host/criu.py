@@ -40,6 +40,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,9 @@ from gpusnap.errors import (
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (4, 0, 0)
+# CRIU before 4.2 asks every socket for SO_PASSCRED/SO_PASSSEC; Linux 6.16 answers EOPNOTSUPP
+# for a TCP socket, and the dump fails on any TCP socket (criu#2705, fixed in 4.2).
+TCP_FIXED_VERSION = (4, 2, 0)
 WRAPPER_PATH = Path("/usr/local/sbin/criu")  # where scripts/install-criu.sh puts it on Debian 12
 OPTIONS_FILE = "gpusnap-criu.json"
 MANAGE_CGROUPS_MODES = ("ignore", "none", "props", "soft", "full", "strict")
@@ -77,6 +81,41 @@ _ERROR_RE = re.compile(r"\b(Error|Warn) *\(([^)]*)\):\s*(.*)")
 _SEIZE_FAILURES = ("Unable to interrupt task", "Unable to seize", "Can't seize")
 # Error lines CRIU prints on healthy runs too (e.g. inside containers); never the cause.
 _NOISE = ("rlimit: Can't setup RLIMIT_NOFILE", "Dumping FAILED", "Restoring FAILED")
+
+
+@dataclass(frozen=True)
+class TcpSupport:
+    """Whether this CRIU can dump TCP sockets on this kernel, and the one line saying why."""
+
+    ok: bool
+    why: str
+
+
+def kernel_answers_passcred_on_tcp() -> bool:
+    """Whether this kernel answers ``getsockopt(SO_PASSCRED)`` on a TCP socket (before Linux
+    6.16 it does; from 6.16 on, EOPNOTSUPP: what CRIU before 4.2 trips over)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sk:
+        try:
+            sk.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED)
+        except OSError:
+            return False
+    return True
+
+
+def tcp_support(version: tuple[int, int, int], kernel_answers: bool) -> TcpSupport:
+    """The rule: CRIU >= 4.2 dumps TCP sockets on any kernel; an older one only where the
+    kernel still answers SO_PASSCRED on a TCP socket (criu#2705)."""
+    if version >= TCP_FIXED_VERSION:
+        return TcpSupport(True, f"criu {_fmt(version)} >= 4.2 dumps TCP sockets on any kernel")
+    if kernel_answers:
+        return TcpSupport(
+            True, f"criu {_fmt(version)}: this kernel still answers SO_PASSCRED on TCP sockets"
+        )
+    return TcpSupport(
+        False,
+        f"criu {_fmt(version)} cannot dump TCP sockets on this kernel (it refuses SO_PASSCRED"
+        " on TCP sockets, Linux >= 6.16; criu#2705, fixed in 4.2)",
+    )
 
 
 @dataclass(frozen=True)
@@ -114,6 +153,7 @@ class Criu:
         self._configured = Path(path) if path else None
         self._path: Path | None = None
         self._version: tuple[int, int, int] | None = None
+        self._tcp: TcpSupport | None = None
 
     @property
     def path(self) -> Path:
@@ -163,6 +203,13 @@ class Criu:
                 )
             self._version = (int(m[1]), int(m[2]), int(m[3] or 0))
         return self._version
+
+    def tcp_support(self) -> TcpSupport:
+        """Whether this CRIU dumps TCP sockets on this kernel (``tcp_support``'s rule, from its
+        version and one getsockopt on a TCP socket; cached: neither changes while we run)."""
+        if self._tcp is None:
+            self._tcp = tcp_support(self.version(), kernel_answers_passcred_on_tcp())
+        return self._tcp
 
     def check(self) -> None:
         """Raise Unsupported unless criu >= 4.0 is installed and ``criu check`` passes here."""

@@ -161,6 +161,7 @@ def daemon_status(node: Node, daemon: DaemonFacts) -> dict[str, Any]:
         "triggers": daemon.triggers,
         "store_check": daemon.store_check,
         "trigger_provider": daemon.trigger_provider,
+        "criu": criu_status(node),
     }
 
 
@@ -200,6 +201,24 @@ def _warmth(node: Node, last: dict[str, Any]) -> dict[str, Any] | None:
 def _criu_line(node: Node) -> str:
     try:
         major, minor, patch = node.criu.version()
-        return f"criu {major}.{minor}.{patch} at {node.criu.path}"
+        tcp = "dumps TCP sockets" if node.criu.tcp_support().ok else "cannot dump TCP sockets"
+        return f"criu {major}.{minor}.{patch} at {node.criu.path} ({tcp} here)"
     except GpusnapError as err:
         return f"unavailable: {err}"
+
+
+def criu_status(node: Node) -> dict[str, Any]:
+    """The CRIU the daemon dumps with: path, version, and whether it can dump TCP sockets on
+    this kernel (``Criu.tcp_support``: the version and one getsockopt, criu#2705)."""
+    out: dict[str, Any] = {"path": "", "version": "", "error": None}
+    out.update(tcp_dump=False, tcp_dump_reason="", kernel=os.uname().release)
+    try:
+        out["path"] = str(node.criu.path)
+        out["version"] = ".".join(str(n) for n in node.criu.version())
+        tcp = node.criu.tcp_support()
+    except GpusnapError as err:
+        out["error"] = str(err)
+        out["tcp_dump_reason"] = f"no usable criu: {err}"
+        return out
+    out.update(tcp_dump=tcp.ok, tcp_dump_reason=tcp.why)
+    return out

@@ -1,7 +1,8 @@
 """The body of a process tree's checkpoint job, its steps in order.
 
-Look at the tree -> GPU freeze -> CRIU dump into staging -> (leave-running: GPU thaw; the
-pause ends here) -> stamp -> push to the store (manifest last) -> clean staging.
+Look at the tree -> preflight (what CRIU would refuse: the job fails here, nothing frozen) ->
+GPU freeze -> CRIU dump into staging -> (leave-running: GPU thaw; the pause ends here) -> stamp
+-> push to the store (manifest last) -> clean staging.
 
 The store is asked for the workload's latest checkpoint (the parent) *before* the dump, so an
 unreachable store fails the job while the workload is still untouched. If the upload of a
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 from gpusnap.daemon.config.file import WorkloadConfig
 from gpusnap.daemon.gate.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.gpu.adapter import Freeze
-from gpusnap.daemon.host import owners, proctree
+from gpusnap.daemon.host import owners, preflight, proctree
 from gpusnap.daemon.host.criu import remove_logs
 from gpusnap.daemon.host.files import watched_files
 from gpusnap.daemon.host.owners import tree_uids
@@ -91,6 +92,8 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
 
     look = _look(plan)
     pids = look.pids
+    # What CRIU would refuse, refused here: nothing is frozen yet (host/preflight.py).
+    preflight.require(node.criu, pids)
     nccl = nccl_by_pid(pids)  # while the tree runs: a kill-mode dump ends it
     hooks = JobHooks.for_job(plan.config, plan.workload, ctx, node.dirs.logs)
     hooks.pre_checkpoint(pids)  # a failure fails the job here: nothing is frozen yet

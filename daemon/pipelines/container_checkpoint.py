@@ -34,7 +34,7 @@ from gpusnap.daemon.containers import (
 from gpusnap.daemon.gate.container_stamp import container_stamp, remap_gpu_stamp
 from gpusnap.daemon.gate.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.gpu.adapter import Freeze
-from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host import preflight, proctree
 from gpusnap.daemon.host.files import watched_files
 from gpusnap.daemon.host.owners import tree_uids
 from gpusnap.daemon.jobs.executor import JobContext
@@ -144,6 +144,8 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
     pids = list(info.pids)
     tree = proctree.process_tree(pids[0])
     uids = tree_uids(p for pid in pids for p in proctree.tree_pids(pid))
+    # The runtime dumps the container's mounts (its /dev/shm too): no tmpfs notes.
+    preflight.require(node.criu, [p.pid for p in tree], tmpfs=False)
     ns = proctree.ns_pids(pids)
     watched = _host_files(watched_files(pids), info.spec.mounts)
     engine, model = identity_stamp(plan.config, None)

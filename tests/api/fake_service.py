@@ -142,6 +142,21 @@ class FakeService:
         self._script(job, JobState.SUCCEEDED, result)
         return self.snapshots[job.id][0]
 
+    def preflight(
+        self,
+        *,
+        pid: int | None = None,
+        workload: str | None = None,
+        container: str | None = None,
+        runtime: str | None = None,
+    ) -> dict[str, Any]:
+        args = {"pid": pid, "workload": workload, "container": container, "runtime": runtime}
+        self.calls.append(("preflight", args))
+        _raise_if_asked(workload or container or "")
+        blocker = {"kind": "io_uring", "pid": pid or 1, "detail": "an io_uring", "fix": "exec"}
+        note = {"kind": "lock", "pid": pid or 1, "detail": "a FLOCK WRITE lock"}
+        return {"checkpointable": False, "blockers": [blocker], "notes": [note]}
+
     def compat(self, checkpoint_id: str) -> CompatVerdict:
         self.calls.append(("compat", {"checkpoint_id": checkpoint_id}))
         _raise_if_asked(checkpoint_id)
@@ -263,6 +278,14 @@ class FakeService:
             ],
             "interrupted_at_start": ["job-0"],
             "triggers": False,
+            "criu": {
+                "path": "/usr/local/sbin/criu",
+                "version": "4.1.1",
+                "error": None,
+                "tcp_dump": False,
+                "tcp_dump_reason": "criu 4.1.1 cannot dump TCP sockets on this kernel",
+                "kernel": "6.18.0",
+            },
             "store_check": {
                 "interval_seconds": 21600.0,
                 "last_check_at": T0,

@@ -132,6 +132,38 @@ def test_checkpoint_of_a_container_passes_its_name_and_runtime(
     assert both.returncode == 2 and "not allowed with" in both.stderr
 
 
+def test_preflight_over_the_wire_json_text_exit_codes_and_usage(
+    server: Path, service: FakeService
+) -> None:
+    proc = run_cli(server, "preflight", "--pid", "4321", "--json")
+    assert proc.returncode == 1, proc.stderr  # not checkpointable
+    assert _json(proc) == {
+        "checkpointable": False,
+        "blockers": [{"kind": "io_uring", "pid": 4321, "detail": "an io_uring", "fix": "exec"}],
+        "notes": [{"kind": "lock", "pid": 4321, "detail": "a FLOCK WRITE lock"}],
+    }
+    assert service.last_call() == (
+        "preflight",
+        {"pid": 4321, "workload": None, "container": None, "runtime": None},
+    )
+    run_cli(server, "preflight", "--container", "c1", "--runtime", "podman")
+    assert service.last_call()[1] == {
+        "pid": None,
+        "workload": None,
+        "container": "c1",
+        "runtime": "podman",
+    }
+    human = run_cli(server, "preflight", "--workload", "llm")
+    assert human.returncode == 1
+    assert "BLOCKER io_uring pid 1: an io_uring" in human.stdout and "fix: exec" in human.stdout
+    missing = run_cli(server, "preflight", "--workload", "raise:not_found")
+    assert missing.returncode == EXIT_NOT_FOUND and missing.stderr.count("\n") == 1
+    none = run_cli(server, "preflight")
+    assert none.returncode == EXIT_USAGE and "one of the arguments" in none.stderr, none.stderr
+    both = run_cli(server, "preflight", "--pid", "1", "--workload", "llm")
+    assert both.returncode == EXIT_USAGE and "not allowed with" in both.stderr
+
+
 def test_compat_json(server: Path) -> None:
     proc = run_cli(server, "compat", "ckpt-1", "--json")
     assert proc.returncode == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -224,3 +226,40 @@ def test_restore_with_scope_unit_runs_criu_under_systemd_run_when_systemd_is_the
     assert args[4] == str(criu.path) and args[5] == "restore"
     assert w.wait_done() == workloads.expected_lines("counter", 20)
     assert _reap_restored(res.pid) == 0
+
+
+def test_tcp_support_says_what_a_real_dump_of_a_tcp_listener_does(
+    criu: Criu, tmp_path: Path
+) -> None:
+    code = (
+        "import socket, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip().isdigit()  # listening
+        try:
+            criu.dump(
+                proc.pid, tmp_path / "images", leave_running=True, log_path=tmp_path / "dump.log"
+            )
+            dumped = True
+        except GpusnapError as err:
+            assert "1:16" in str(err) or "opt" in str(err), err  # criu#2705's failure
+            dumped = False
+    finally:
+        proc.kill()
+        proc.communicate()
+    support = criu.tcp_support()
+    assert support.ok is dumped, support.why
+
+
+def test_the_tcp_rule_follows_criu_2705() -> None:
+    fixed = criu_module.tcp_support((4, 2, 0), kernel_answers=False)
+    assert fixed.ok and "4.2" in fixed.why
+    old_here = criu_module.tcp_support((4, 1, 1), kernel_answers=False)
+    assert not old_here.ok and "criu#2705" in old_here.why
+    assert criu_module.tcp_support((4, 1, 1), kernel_answers=True).ok

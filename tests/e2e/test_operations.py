@@ -4,6 +4,7 @@ with the last good checkpoint, the Prometheus endpoint, the mutual-TLS listener,
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 import urllib.request
@@ -16,6 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from gpusnap.cli._client import DaemonClient
 from gpusnap.daemon.host import proctree
+from gpusnap.daemon.host.criu import Criu
 from tests.support import workloads
 from tests.support.daemons import HANG_GUARD, Node, Nodes, restored_cleanup
 from tests.support.faultproxy import GateProxy
@@ -66,6 +68,17 @@ def test_status_workloads_and_metrics_show_the_last_good_checkpoint_and_its_age(
     ]
     caps = status["capabilities"]
     assert re.match(r"criu 4\.\d+\.\d+ at /", caps["criu"]), caps
+    # The CRIU section: the binary the daemon uses, and whether it dumps TCP here.
+    criu = Criu()
+    support = criu.tcp_support()
+    assert status["criu"] == {
+        "path": str(criu.path),
+        "version": ".".join(str(n) for n in criu.version()),
+        "error": None,
+        "tcp_dump": support.ok,
+        "tcp_dump_reason": support.why,
+        "kernel": os.uname().release,
+    }
     assert caps["store"] == "reachable"
     assert "GPU support is off" in caps["gpu"]
 

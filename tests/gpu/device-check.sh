@@ -7,7 +7,7 @@
 # a machine with network), never from a network, and nothing into /:
 #   .whl/*.whl            pip --no-index --no-deps --target $WORK/site (always)
 #   .whl/ifmissing/*.whl  the same, each only where the machine lacks that distribution (pytest)
-#   .deb/*.deb            scripts/install-criu.sh --from-debs: Debian 13 criu in $WORK/criu
+#   .deb/*.deb            scripts/install-criu.sh --from-debs: Debian unstable criu in $WORK/criu
 # then prints the machine (date, GPU, driver, kernel, versions) and the driver's capabilities as
 # gpusnap's worker sees them, runs `pytest tests/gpu` (the coordinator with PyTorch workloads,
 # the real gpusnapd with tests/gpu/device_lm.py), then `bench/gpu_bench.py --real` (the

@@ -12,7 +12,7 @@
 #                       13.5 with cuda-pathfinder (the custom-storage names driver.py uses).
 #   .whl/ifmissing/     installed only where the machine lacks that distribution: pytest and
 #                       pytest-timeout with their needs (listed there, but not read off a machine).
-#   .deb/*.deb          Debian 13 criu, libcompel1 and their library closure, from
+#   .deb/*.deb          Debian unstable criu 4.2 and its library closure (Debian 13), from
 #                       scripts/install-criu.sh --download-debs (its list; one place).
 #
 # Not carried: boto3/botocore/s3transfer/jmespath (imported only for s3:// stores; the GPU tests

@@ -482,7 +482,16 @@ EOF"""
         assert machine.run("test", "-e", ours, check=False).returncode == 0, second.stderr
         assert machine.sh(count).stdout.strip() == "1"
     finally:
-        machine.run("rm", "-f", ours, theirs, "/etc/apt/preferences.d/gpusnap-trixie", check=False)
+        machine.run(
+            "rm",
+            "-f",
+            ours,
+            theirs,
+            "/etc/apt/preferences.d/gpusnap-trixie",
+            "/etc/apt/sources.list.d/gpusnap-sid.sources",
+            "/etc/apt/preferences.d/gpusnap-sid",
+            check=False,
+        )
 
 
 def test_a_unit_with_a_mount_namespace_of_its_own_is_not_checkpointed(service: Container) -> None:

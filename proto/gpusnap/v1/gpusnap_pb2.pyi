@@ -257,6 +257,128 @@ class CreateCheckpointRequest(_message.Message):
 Global___CreateCheckpointRequest: _TypeAlias = CreateCheckpointRequest  # noqa: Y015
 
 @_typing.final
+class PreflightRequest(_message.Message):
+    """The target found as Create finds it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    CONTAINER_FIELD_NUMBER: _builtins.int
+    RUNTIME_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    workload: _builtins.str
+    container: _builtins.str
+    """a container's name or id"""
+    runtime: _builtins.str
+    """with container: "podman" | "runc" | "containerd"; empty: detected"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        workload: _builtins.str = ...,
+        container: _builtins.str = ...,
+        runtime: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "pid", b"pid", "target", b"target", "workload", b"workload"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "pid", b"pid", "runtime", b"runtime", "target", b"target", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["pid", "workload", "container"]  # noqa: Y015
+    _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
+
+Global___PreflightRequest: _TypeAlias = PreflightRequest  # noqa: Y015
+
+@_typing.final
+class PreflightResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINTABLE_FIELD_NUMBER: _builtins.int
+    BLOCKERS_FIELD_NUMBER: _builtins.int
+    NOTES_FIELD_NUMBER: _builtins.int
+    checkpointable: _builtins.bool
+    """no blockers"""
+    @_builtins.property
+    def blockers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PreflightBlocker]: ...
+    @_builtins.property
+    def notes(self) -> _containers.RepeatedCompositeFieldContainer[Global___PreflightNote]: ...
+    def __init__(
+        self,
+        *,
+        checkpointable: _builtins.bool = ...,
+        blockers: _abc.Iterable[Global___PreflightBlocker] | None = ...,
+        notes: _abc.Iterable[Global___PreflightNote] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blockers", b"blockers", "checkpointable", b"checkpointable", "notes", b"notes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreflightResponse: _TypeAlias = PreflightResponse  # noqa: Y015
+
+@_typing.final
+class PreflightBlocker(_message.Message):
+    """A reason a checkpoint now would fail, and its fix."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    FIX_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"io_uring" | "ptrace" | "criu" | "tcp" | "unix" """
+    pid: _builtins.int
+    """the process it was found in"""
+    detail: _builtins.str
+    fix: _builtins.str
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        detail: _builtins.str = ...,
+        fix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "fix", b"fix", "kind", b"kind", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreflightBlocker: _TypeAlias = PreflightBlocker  # noqa: Y015
+
+@_typing.final
+class PreflightNote(_message.Message):
+    """Something a checkpoint handles that is worth knowing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"tcp" | "tmpfs" | "lock" """
+    pid: _builtins.int
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "kind", b"kind", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreflightNote: _TypeAlias = PreflightNote  # noqa: Y015
+
+@_typing.final
 class ListCheckpointsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -823,6 +945,7 @@ class DaemonStatus(_message.Message):
     TRIGGERS_FIELD_NUMBER: _builtins.int
     TRIGGER_PROVIDER_FIELD_NUMBER: _builtins.int
     STORE_CHECK_FIELD_NUMBER: _builtins.int
+    CRIU_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpusnap's version"""
     node_id: _builtins.str
@@ -863,6 +986,10 @@ class DaemonStatus(_message.Message):
     def store_check(self) -> Global___StoreCheckStatus:
         """The background store check ([store] check_interval): what the last one found."""
 
+    @_builtins.property
+    def criu(self) -> Global___CriuStatus:
+        """the CRIU this daemon dumps with"""
+
     def __init__(
         self,
         *,
@@ -883,16 +1010,63 @@ class DaemonStatus(_message.Message):
         triggers: _builtins.bool = ...,
         trigger_provider: _builtins.str = ...,
         store_check: Global___StoreCheckStatus | None = ...,
+        criu: Global___CriuStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store", "store_check", b"store_check"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "criu", b"criu", "gpu", b"gpu", "host", b"host", "node_id", b"node_id", "store", b"store", "store_check", b"store_check"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "store_check", b"store_check", "trigger_provider", b"trigger_provider", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_id", b"_node_id", "capabilities", b"capabilities", "criu", b"criu", "gpu", b"gpu", "host", b"host", "interrupted_at_start", b"interrupted_at_start", "jobs_running", b"jobs_running", "node_id", b"node_id", "pid", b"pid", "socket", b"socket", "staging_dir", b"staging_dir", "state_dir", b"state_dir", "store", b"store", "store_check", b"store_check", "trigger_provider", b"trigger_provider", "triggers", b"triggers", "uptime_seconds", b"uptime_seconds", "version", b"version", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_id: _TypeAlias = _typing.Literal["node_id"]  # noqa: Y015
     _WhichOneofArgType__node_id: _TypeAlias = _typing.Literal["_node_id", b"_node_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__node_id) -> _WhichOneofReturnType__node_id | None: ...
 
 Global___DaemonStatus: _TypeAlias = DaemonStatus  # noqa: Y015
+
+@_typing.final
+class CriuStatus(_message.Message):
+    """The CRIU the daemon dumps with, and whether it can dump TCP sockets on this kernel
+    (docs/api.md, "gpusnap status").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    TCP_DUMP_FIELD_NUMBER: _builtins.int
+    TCP_DUMP_REASON_FIELD_NUMBER: _builtins.int
+    KERNEL_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """the binary; empty when none was found"""
+    version: _builtins.str
+    """"4.2.1"; empty when it cannot be run"""
+    error: _builtins.str
+    """why there is no usable criu; unset when there is one"""
+    tcp_dump: _builtins.bool
+    """it can dump TCP sockets (listeners, connections) here"""
+    tcp_dump_reason: _builtins.str
+    """one line: how that was decided"""
+    kernel: _builtins.str
+    """this kernel's release (uname -r)"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        version: _builtins.str = ...,
+        error: _builtins.str | None = ...,
+        tcp_dump: _builtins.bool = ...,
+        tcp_dump_reason: _builtins.str = ...,
+        kernel: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error", "kernel", b"kernel", "path", b"path", "tcp_dump", b"tcp_dump", "tcp_dump_reason", b"tcp_dump_reason", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___CriuStatus: _TypeAlias = CriuStatus  # noqa: Y015
 
 @_typing.final
 class StoreCheckStatus(_message.Message):

@@ -52,6 +52,11 @@ class CheckpointsStub:
                 request_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.ShowCheckpointRequest.SerializeToString,
                 response_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.ShowCheckpointResponse.FromString,
                 _registered_method=True)
+        self.Preflight = channel.unary_unary(
+                '/gpusnap.v1.Checkpoints/Preflight',
+                request_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.PreflightRequest.SerializeToString,
+                response_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.PreflightResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointsServicer:
@@ -79,6 +84,13 @@ class CheckpointsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preflight(self, request, context):
+        """Every reason the target cannot be checkpointed now; nothing is frozen (docs/api.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +108,11 @@ def add_CheckpointsServicer_to_server(servicer, server):
                     servicer.Show,
                     request_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.ShowCheckpointRequest.FromString,
                     response_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.ShowCheckpointResponse.SerializeToString,
+            ),
+            'Preflight': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preflight,
+                    request_deserializer=gpusnap_dot_v1_dot_gpusnap__pb2.PreflightRequest.FromString,
+                    response_serializer=gpusnap_dot_v1_dot_gpusnap__pb2.PreflightResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +199,33 @@ class Checkpoints:
             '/gpusnap.v1.Checkpoints/Show',
             gpusnap_dot_v1_dot_gpusnap__pb2.ShowCheckpointRequest.SerializeToString,
             gpusnap_dot_v1_dot_gpusnap__pb2.ShowCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preflight(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpusnap.v1.Checkpoints/Preflight',
+            gpusnap_dot_v1_dot_gpusnap__pb2.PreflightRequest.SerializeToString,
+            gpusnap_dot_v1_dot_gpusnap__pb2.PreflightResponse.FromString,
             options,
             channel_credentials,
             insecure,

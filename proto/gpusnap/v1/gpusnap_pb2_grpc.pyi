@@ -58,6 +58,8 @@ class CheckpointsStub:
     """Queue a checkpoint of a process tree or a configured workload; returns at once."""
     List: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.ListCheckpointsRequest, _gpusnap_pb2.ListCheckpointsResponse]
     Show: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.ShowCheckpointRequest, _gpusnap_pb2.ShowCheckpointResponse]
+    Preflight: _grpc.UnaryUnaryMultiCallable[_gpusnap_pb2.PreflightRequest, _gpusnap_pb2.PreflightResponse]
+    """Every reason the target cannot be checkpointed now; nothing is frozen (docs/api.md)."""
 
 @_typing.type_check_only
 class CheckpointsAsyncStub(CheckpointsStub):
@@ -70,6 +72,8 @@ class CheckpointsAsyncStub(CheckpointsStub):
     """Queue a checkpoint of a process tree or a configured workload; returns at once."""
     List: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.ListCheckpointsRequest, _gpusnap_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     Show: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.ShowCheckpointRequest, _gpusnap_pb2.ShowCheckpointResponse]  # type: ignore[assignment]
+    Preflight: _aio.UnaryUnaryMultiCallable[_gpusnap_pb2.PreflightRequest, _gpusnap_pb2.PreflightResponse]  # type: ignore[assignment]
+    """Every reason the target cannot be checkpointed now; nothing is frozen (docs/api.md)."""
 
 class CheckpointsServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------------------------------------
@@ -97,6 +101,14 @@ class CheckpointsServicer(metaclass=_abc_1.ABCMeta):
         request: _gpusnap_pb2.ShowCheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gpusnap_pb2.ShowCheckpointResponse, _abc.Awaitable[_gpusnap_pb2.ShowCheckpointResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Preflight(
+        self,
+        request: _gpusnap_pb2.PreflightRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gpusnap_pb2.PreflightResponse, _abc.Awaitable[_gpusnap_pb2.PreflightResponse]]:
+        """Every reason the target cannot be checkpointed now; nothing is frozen (docs/api.md)."""
 
 def add_CheckpointsServicer_to_server(servicer: CheckpointsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
