@@ -35,6 +35,7 @@ from gpusnap.daemon.host.pagestream import PageStreamer
 from gpusnap.daemon.jobs.executor import JobContext
 from gpusnap.daemon.jobs.job import Phase
 from gpusnap.daemon.metrics import METRICS
+from gpusnap.daemon.model_digest import DigestCache, cache_in, model_dir_stamp
 from gpusnap.daemon.node import Node
 from gpusnap.daemon.recovery import record_dump
 from gpusnap.daemon.rescue import Rescue
@@ -84,7 +85,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     parent = latest.checkpoint_id if latest is not None else None
     full = full_push_reason(plan.store_check, plan.workload, ctx)
 
-    look = _look(plan)
+    look = _look(plan, cache_in(node.dirs.state))
     pids = look.pids
     nccl = nccl_by_pid(pids)  # while the tree runs: a kill-mode dump ends it
     hooks = JobHooks.for_job(plan.config, plan.workload, ctx, node.dirs.logs)
@@ -240,8 +241,9 @@ def upload_during_dump(node: Node, parent: str | None, full: str | None) -> bool
     return (parent is None or full is not None) and node.config.daemon.upload_during_dump
 
 
-def _look(plan: CheckpointPlan) -> _Look:
-    """The tree, its launch spec, its identity and its files, read from /proc."""
+def _look(plan: CheckpointPlan, digests: DigestCache) -> _Look:
+    """The tree, its launch spec, its identity and its files, read from /proc; the model
+    directory's digest (before the freeze: reading weights must not lengthen the pause)."""
     tree = proctree.process_tree(plan.root_pid)
     root = tree[0]
     launch = proctree.launch_spec(root.pid)
@@ -253,6 +255,8 @@ def _look(plan: CheckpointPlan) -> _Look:
         except GpusnapError as err:
             log.info("cannot probe the packages of pid %d: %s", root.pid, err)
     engine, model = identity_stamp(plan.config, packages)
+    declared = plan.config.model_dir if plan.config is not None else None
+    model.update(model_dir_stamp(declared, launch, digests))
     watched = watched_files([p.pid for p in tree])
     return _Look(tree=tree, launch=launch, engine=engine, model=model, watched=watched)
 

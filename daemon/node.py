@@ -23,6 +23,7 @@ from gpusnap.daemon.containers import RuntimeSet
 from gpusnap.daemon.gpu.adapter import GpuAdapter
 from gpusnap.daemon.host.criu import Criu
 from gpusnap.daemon.host.reaper import Reaper
+from gpusnap.daemon.model_digest import cache_in
 from gpusnap.daemon.stamp import gpusnap_stamp, host_stamp
 from gpusnap.daemon.statedir import StateDirs
 from gpusnap.daemon.verdict import Reason
@@ -179,6 +180,7 @@ class Node:
             host=self.host.get(),
             gpusnap=gpusnap_stamp(),
             workload=self.config.workload(workload) if workload else None,
+            model_digest=lambda d: cache_in(self.dirs.state).directory_digest(d).digest,
         )
 
     def reasons(self, manifest: Manifest) -> list[Reason]:
