@@ -44,9 +44,11 @@ class ModelDigest:
 
 def model_files(directory: Path) -> list[Path]:
     """The config and weights files under ``directory`` (hidden folders skipped), sorted by
-    their relative name."""
+    their relative name. A file's suffix decides: ``CONFIG_SUFFIXES`` (configs, tokenizers,
+    chat templates) and ``WEIGHT_SUFFIXES``."""
     found: list[Path] = []
-    for root, dirs, names in os.walk(directory, followlinks=True):
+    # Links to folders are not followed (a cycle would never end); links to files are.
+    for root, dirs, names in os.walk(directory):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in names:
             if name.endswith(CONFIG_SUFFIXES + WEIGHT_SUFFIXES) and not name.startswith("."):
