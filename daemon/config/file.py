@@ -133,6 +133,9 @@ class WorkloadConfig:
     engine: EngineSpec | None = None  # declared; None with engine_probed=False: not checked
     engine_probed: bool = False  # engine = "probed": read from the process at checkpoint time
     model: ModelSpec | None = None
+    # The directory of its config and weights files, digested into the stamp (model_digest.py);
+    # None: found on the process's command line, if there.
+    model_dir: Path | None = None
     start: StartSpec | None = None
     # The trigger policy keys (on_notice, checkpoint_interval, checkpoint_on_rebalance), as
     # gpusnap.daemon.reclaim.config reads them; None: the defaults.
@@ -479,6 +482,7 @@ def _parse_workloads(tables: list[Table]) -> tuple[WorkloadConfig, ...]:
                 engine=engine,
                 engine_probed=probed,
                 model=model,
+                model_dir=t.path("model_dir"),
                 start=start,
                 policy=policy,
                 hooks=hooks,

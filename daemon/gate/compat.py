@@ -15,9 +15,11 @@ import os
 import subprocess
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpusnap.daemon.config.file import WorkloadConfig
+from gpusnap.daemon.gate.model_digest import DigestCache, short
 from gpusnap.daemon.gate.stamp import ENGINE_PACKAGES
 from gpusnap.daemon.gate.verdict import Reason
 
@@ -66,6 +68,8 @@ class NodeFacts:
     workload: WorkloadConfig | None
     # Probes the local interpreter for a probed engine; injectable for tests.
     python_packages: Callable[[str], dict[str, str]] = python_packages_of
+    # Digests a model directory (model_digest.py); the node's passes its state dir's cache.
+    model_digest: Callable[[Path], str] = lambda d: DigestCache(None).directory_digest(d).digest
 
 
 Check = Callable[[Mapping[str, Any], NodeFacts], list[Reason]]
@@ -179,6 +183,30 @@ def _check_probed_engine(stamp: Mapping[str, Any], node: NodeFacts, key: str) ->
     return [Reason("engine.version", e, a, msg)]
 
 
+def _check_model_digest(stamp: Mapping[str, Any], node: NodeFacts) -> list[Reason]:
+    expected = _get(stamp, "model.digest")
+    if not isinstance(expected, str):
+        return []  # a checkpoint that records no model directory, or one older than the field
+    recorded = _get(stamp, "model.dir")
+    configured = node.workload.model_dir if node.workload is not None else None
+    if configured is None and not isinstance(recorded, str):
+        return []
+    directory = configured or Path(str(recorded))
+    try:
+        actual = node.model_digest(directory)
+    except OSError as exc:
+        msg = _RULES["model.missing"].format(dir=directory, error=exc)
+        return [Reason("model.digest", short(expected), "missing", msg)]
+    if actual == expected:
+        return []
+    e, a = short(expected), short(actual)
+    return [
+        Reason(
+            "model.digest", e, a, _RULES["model.digest"].format(dir=directory, expected=e, actual=a)
+        )
+    ]
+
+
 def _check_files(stamp: Mapping[str, Any], node: NodeFacts) -> list[Reason]:
     files = stamp.get("files")
     out: list[Reason] = []
@@ -227,6 +255,8 @@ _RULES: dict[str, str] = {
     "engine.version": "engine version differs: checkpoint {expected}, this node has {actual}",
     "model.name": "model differs: checkpoint {expected}, this node declares {actual}",
     "model.revision": "model revision differs: checkpoint {expected}, this node declares {actual}",
+    "model.digest": "model files differ in {dir}: checkpoint digest {expected}, here {actual}",
+    "model.missing": "model directory cannot be read here: {dir} ({error})",
     "files.missing": "file the process had open or mapped is missing here: {path}",
     "files.changed": "file the process had open or mapped changed here: {path} ({what})",
 }
@@ -278,6 +308,13 @@ POLICY: tuple[Rule, ...] = (
         "equal to this node's config, when declared",
         _RULES["model.revision"],
         _declared("model", "revision"),
+    ),
+    Rule(
+        "model.digest",
+        "when recorded, the same digest here of the model directory's config and weights "
+        "files (the workload's model_dir, else the recorded dir)",
+        _RULES["model.digest"] + "; " + _RULES["model.missing"],
+        _check_model_digest,
     ),
     Rule(
         "files",

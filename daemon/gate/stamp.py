@@ -4,8 +4,9 @@ A stamp records the host (kernel, arch, CPU, CRIU), the gpusnap and store-format
 workload's engine and model (declared in config or probed from the process), the files the
 process had open or mapped, the launch spec for a cold start, the process tree, and (from the
 GPU layer) the GPUs and driver. Each engine/model field records its ``source``: ``config``,
-``probed`` or ``none``. ``checkpoint_stamp`` is its schema; the gate that judges it on restore
-is ``daemon/gate/compat.py``.
+``probed`` or ``none``; the model section's directory and the digest of its files come from
+``daemon/gate/model_digest.py``. ``checkpoint_stamp`` is its schema; the gate that judges it on
+restore is ``daemon/gate/compat.py``.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from gpusnap.daemon.config.file import Config
 from gpusnap.daemon.containers import RuntimeSet
 from gpusnap.daemon.gate.compat import NodeFacts, check_compat
 from gpusnap.daemon.gate.container_stamp import container_gate
+from gpusnap.daemon.gate.model_digest import cache_in
 from gpusnap.daemon.gate.stamp import gpusnap_stamp, host_stamp
 from gpusnap.daemon.gate.verdict import Reason
 from gpusnap.daemon.gpu.adapter import GpuAdapter
@@ -180,6 +181,7 @@ class Node:
             host=self.host.get(),
             gpusnap=gpusnap_stamp(),
             workload=self.config.workload(workload) if workload else None,
+            model_digest=lambda d: cache_in(self.dirs.state).directory_digest(d).digest,
         )
 
     def reasons(self, manifest: Manifest) -> list[Reason]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpusnap.daemon.config.file import WorkloadConfig
+from gpusnap.daemon.gate.model_digest import DigestCache, cache_in, model_dir_stamp
 from gpusnap.daemon.gate.stamp import checkpoint_stamp, file_entry, identity_stamp
 from gpusnap.daemon.gpu.adapter import Freeze
 from gpusnap.daemon.host import owners, preflight, proctree
@@ -90,7 +91,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
     parent = latest.checkpoint_id if latest is not None else None
     full = full_push_reason(plan.store_check, plan.workload, ctx)
 
-    look = _look(plan)
+    look = _look(plan, cache_in(node.dirs.state))
     pids = look.pids
     # What CRIU would refuse, refused here: nothing is frozen yet (host/preflight.py).
     preflight.require(node.criu, pids)
@@ -249,8 +250,9 @@ def upload_during_dump(node: Node, parent: str | None, full: str | None) -> bool
     return (parent is None or full is not None) and node.config.daemon.upload_during_dump
 
 
-def _look(plan: CheckpointPlan) -> _Look:
-    """The tree, its launch spec, its identity and its files, read from /proc."""
+def _look(plan: CheckpointPlan, digests: DigestCache) -> _Look:
+    """The tree, its launch spec, its identity and its files, read from /proc; the model
+    directory's digest (before the freeze: reading weights must not lengthen the pause)."""
     tree = proctree.process_tree(plan.root_pid)
     if plan.run_as is not None:
         reasons = owners.tree_reasons([p.pid for p in tree], plan.run_as)
@@ -266,6 +268,8 @@ def _look(plan: CheckpointPlan) -> _Look:
         except GpusnapError as err:
             log.info("cannot probe the packages of pid %d: %s", root.pid, err)
     engine, model = identity_stamp(plan.config, packages)
+    declared = plan.config.model_dir if plan.config is not None else None
+    model.update(model_dir_stamp(declared, launch, digests))
     watched = watched_files([p.pid for p in tree])
     uids = tree_uids([p.pid for p in tree])
     return _Look(tree=tree, launch=launch, engine=engine, model=model, watched=watched, uids=uids)

@@ -44,6 +44,7 @@ name = "llm"
 pid_file = "/run/llm.pid"
 engine = {{ name = "vllm", version = "0.11.0" }}
 model = {{ name = "org/model", revision = "abc123" }}
+model_dir = "/models/org-model"
 start = {{ command = ["vllm", "serve"], cwd = "/srv", env = {{ K = "V" }}, user = "svc" }}
 [[workload]]
 name = "other"
@@ -62,6 +63,7 @@ listen = "127.0.0.1:9400"
     llm = c.workload("llm")
     assert llm is not None and llm.model is not None and llm.start is not None
     assert llm.model.revision == "abc123"
+    assert llm.model_dir == Path("/models/org-model")
     assert llm.start.command == ("vllm", "serve")
     assert llm.start.checkpoint_ready  # the default: io_uring off for a cold start
     other = c.workload("other")
@@ -90,6 +92,7 @@ def test_an_unknown_key_is_named_with_a_suggestion() -> None:
             "key 'checkpoint_ready': must be true or false",
         ),
         ({"workload": [{"name": "a", "match": "("}]}, "not a regular expression"),
+        ({"workload": [{"name": "a", "model_dir": "m"}]}, "key 'model_dir': must be an absolute"),
         ({"gpu": {"driver": "rocm"}}, "must be one of auto, cuda, none"),
         ({"metrics": {"listen": "9400"}}, "must be HOST:PORT"),
         ({"bogus": {}}, "unknown section or key 'bogus'"),

@@ -12,7 +12,7 @@ import pytest
 from gpusnap.daemon.host import proctree
 from tests.support import workloads
 from tests.support.daemon_config import workload_section
-from tests.support.daemons import Nodes
+from tests.support.daemons import Nodes, assert_cold_started
 from tests.support.workloads import Started
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -132,14 +132,8 @@ def test_cold_start_with_every_reason_when_the_model_revision_differs(
     assert any("r1" in str(r) and "r2" in str(r) for r in other.json["reasons"])
 
     rs = b.cli("restore", "--workload", "ctr", "--latest", "--wait", "--json")
-    assert rs.rc == 0, rs.stderr
-    out = rs.json
-    assert out["mode"] == "cold-start"
-    assert out["reasons"] == ["model revision differs: checkpoint r1, this node declares r2"]
-    workloads._poll(marker.exists, 60, "the cold start to run")
-    assert marker.read_text() == "cold"
-    # The checkpointed process was not restored: its output stopped where the dump was.
-    assert not w.output().endswith(workloads.DONE)
+    reason = "model revision differs: checkpoint r1, this node declares r2"
+    assert_cold_started(rs, [reason], marker, w)
 
 
 def test_restore_is_refused_for_an_altered_manifest(

@@ -123,6 +123,20 @@ class Result:
         return json.loads(self.stdout)
 
 
+def assert_cold_started(
+    rs: Result, reasons: list[str], marker: Path, checkpointed: workloads.Workload
+) -> None:
+    """``rs`` (a restore's) cold-started with ``reasons``: the workload's ``start`` wrote
+    ``cold`` to ``marker`` (tests/support/daemon_config.py), and the checkpointed process was
+    not restored (its output stopped where the dump was)."""
+    assert rs.rc == 0, rs.stderr
+    assert rs.json["mode"] == "cold-start"
+    assert rs.json["reasons"] == reasons
+    workloads._poll(marker.exists, 60, "the cold start to run")
+    assert marker.read_text() == "cold"
+    assert not checkpointed.output().endswith(workloads.DONE)
+
+
 @dataclass
 class Node:
     """One gpusnapd with its own state dir and socket."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpusnap.daemon.gate.model_digest import DigestCache
 from gpusnap.daemon.host import tmpfsfiles
 from tests.engines.vllm.server import (
     PROMPTS,
@@ -126,6 +127,10 @@ def test_kill_mode_mid_stream_restored_by_another_daemon_answers_identically(
     assert shown.rc == 0, shown.stderr
     engine = shown.json["stamp"]["engine"]
     assert (engine["name"], engine["version"], engine["source"]) == ("vllm", "0.32.0", "probed")
+    # The model directory, found after `serve` on the command line, and its files' digest.
+    model = shown.json["stamp"]["model"]
+    assert (model["dir"], model["dir_source"]) == (str(model_dir()), "probed")
+    assert model["digest"] == DigestCache(None).directory_digest(model_dir()).digest
     # As on another node: the server's /dev/shm files are not here; the checkpoint has them.
     for name in shm:
         Path(name).unlink(missing_ok=True)
