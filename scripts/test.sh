@@ -17,4 +17,5 @@ echo "== import contracts (pyproject.toml [tool.importlinter])"
 # The checkout's own src/, whichever checkout the venv was installed from.
 PYTHONPATH="$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}" lint-imports --no-cache --no-logo
 echo "== pytest"
-exec pytest -p no:cacheprovider "$@"
+# Two workers side by side; tests that share a fixed resource carry one xdist_group.
+exec pytest -p no:cacheprovider -n 2 --dist loadgroup "$@"
