@@ -5,7 +5,8 @@ group ``gpusnap``, so only members of the group can connect at all. Behind it ea
 authorized by its caller: gRPC Python does not expose the peer's ``SO_PEERCRED``, so the
 socket is owned by ``UnixFront`` (``daemon/api/callers.py``), which reads the credentials of
 each connection and hands it to the gRPC server on a private socket in a 0700 directory
-beside the public one. Remote access is an optional TCP listener with mutual TLS, whose
+beside the public one (in the system temporary directory where that path would be too long
+for a socket address). Remote access is an optional TCP listener with mutual TLS, whose
 callers are their certificates. See docs/operations.md, the authorization table.
 """
 
@@ -164,7 +165,7 @@ def start_server(
     _check_socket_dir(socket_path.parent)
     _remove_stale_socket(socket_path)
 
-    private_dir = Path(tempfile.mkdtemp(prefix=".gpusnapd-api-", dir=socket_path.parent))
+    private_dir = _private_dir(socket_path.parent)
     try:
         return _start(
             service, socket_path, socket_group, tcp=tcp, workers=max_workers, private=private_dir
@@ -172,6 +173,21 @@ def start_server(
     except BaseException:
         shutil.rmtree(private_dir, ignore_errors=True)
         raise
+
+
+_PRIVATE_PREFIX = ".gpusnapd-api-"
+_PRIVATE_SOCKET = "grpc.sock"
+_SUN_PATH_MAX = 107  # bytes of a unix socket path, without its NUL (sun_path is 108)
+
+
+def _private_dir(beside: Path) -> Path:
+    """A fresh 0700 directory (``mkdtemp``: a random name, created exclusively) for the gRPC
+    server's private socket: beside the public socket where the path fits a unix socket
+    address, else in the system's temporary directory (a deep socket directory, as in tests)."""
+    # mkdtemp adds 8 random characters to the prefix.
+    fits = len(os.fsencode(str(beside))) + len(_PRIVATE_PREFIX) + 8 + len(_PRIVATE_SOCKET) + 2
+    where = beside if fits <= _SUN_PATH_MAX else None
+    return Path(tempfile.mkdtemp(prefix=_PRIVATE_PREFIX, dir=where))
 
 
 def _start(
@@ -183,8 +199,8 @@ def _start(
     workers: int,
     private: Path,
 ) -> ApiServer:
-    backend = private / "grpc.sock"
-    if len(os.fsencode(str(backend))) > 107:
+    backend = private / _PRIVATE_SOCKET
+    if len(os.fsencode(str(backend))) > _SUN_PATH_MAX:
         raise FailedPrecondition(
             f"socket directory {socket_path.parent} is too long a path for the daemon's "
             f"private socket ({backend}); use a shorter one such as /run/gpusnap"

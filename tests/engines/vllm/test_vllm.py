@@ -38,7 +38,14 @@ from tests.support.daemons import Node, Nodes
 
 log = logging.getLogger(__name__)
 
-pytestmark = [pytest.mark.criu, pytest.mark.slow, pytest.mark.timeout(1800)]
+# One server for the module: its tests run on one xdist worker (two servers would fight for
+# the port and for two cores).
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.xdist_group("vllm"),
+]
 
 LONG = 400  # tokens of a streamed request: it is still generating when the dump comes
 JOB_GUARD = 900.0
