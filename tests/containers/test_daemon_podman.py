@@ -203,12 +203,15 @@ def _workload(name: str, container: str, *, version: str = "1", start: str = "")
 def test_a_checkpoint_that_does_not_fit_cold_starts_a_fresh_container_from_its_config(
     node_a: Node, node_b: Node, daemons: Daemons, tmp_path: Path
 ) -> None:
-    out, name, expected = new_loop(tmp_path, "dcold", STEPS)
+    # Four times the usual loop (~12 s): it must still run when the checkpoint freezes it,
+    # after two daemon starts and a podman round trip on a busy machine.
+    steps = 4 * STEPS
+    out, name, expected = new_loop(tmp_path, "dcold", steps)
     a = start_daemon(daemons, "a", podman_section(node_a) + _workload("llm", name))
     # Node B runs another build of the engine: the checkpoint must not be restored there.
     b = start_daemon(daemons, "b", podman_section(node_b) + _workload("llm", name, version="2"))
     with (
-        started(node_a.podman, genloop_spec(node_a, out, steps=STEPS), name),
+        started(node_a.podman, genloop_spec(node_a, out, steps=steps), name),
         removing(node_b.podman, name),
     ):
         wait_lines(out, STEPS // 3)

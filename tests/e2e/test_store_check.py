@@ -100,8 +100,8 @@ def test_a_lost_chunk_is_found_shown_and_repaired_by_a_full_next_checkpoint(
     assert re.search(r"^gpusnap_store_last_check_timestamp_seconds \S+$", body, re.M), body
     log = node.log_path.read_text()
     assert re.search(
-        rf"ERROR gpusnap\.daemon\.storecheck: .*checkpoint {latest['checkpoint_id']} of workload "
-        r"svc is DAMAGED: 1 chunk\(s\)",
+        rf"ERROR gpusnap\.daemon\.node\.storecheck: .*checkpoint {latest['checkpoint_id']} "
+        r"of workload svc is DAMAGED: 1 chunk\(s\)",
         log,
     ), log[-4000:]
     human = node.cli("status")

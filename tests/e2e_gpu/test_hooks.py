@@ -94,8 +94,11 @@ def test_a_failing_pre_checkpoint_fails_the_job_before_anything_is_frozen(
     a = gpu_nodes.make_gpu("a")
     seen = _with_hooks(a, tmp_path, pre_status=3)
     a.node.start()
-    expected = reference_tokens(a.fake.env, tmp_path / "ref", steps=STEPS)
-    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=STEPS), steps=5)
+    # Long enough (10 s) to be running still after two hooks and a CLI round trip, each a
+    # fresh interpreter: a finished workload answers GetState as no CUDA process at all.
+    steps = 200
+    expected = reference_tokens(a.fake.env, tmp_path / "ref", steps=steps)
+    w = started(start_device_lm(a.fake.env, tmp_path / "run", *PACE, steps=steps), steps=5)
     ck = a.cli("checkpoint", "--pid", str(w.pid), "--wait", "--json")
     assert ck.rc != 0
     message = ck.stderr.strip()
