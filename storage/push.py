@@ -123,6 +123,7 @@ def push_tree(
     uploaded_streams: UploadedStreams | None,
     full: bool = False,
     seed_cache: bool = False,
+    deadline: float | None = None,
 ) -> PushResult:
     """Upload ``src`` (and streams) as a new checkpoint, then commit its manifest.
 
@@ -175,7 +176,7 @@ def push_tree(
             # A gc that may have swept while this push ran could have removed chunks the
             # index said were there, even ones the proof saw: wait for it, then prove every
             # chunk the manifest names against a LIST taken after it.
-            if sync_index_if_gc_ran(ctx, wait_for_running=True):
+            if sync_index_if_gc_ran(ctx, wait_for_running=True, deadline=deadline):
                 proof.abandon()
                 proof = ChunkProof(ctx)
                 unproven = {c.id for e in entries for c in e.chunks}

@@ -18,7 +18,7 @@ import struct
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,14 @@ from gpusnap.errors import GpusnapError
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.identity import CONFIG_FORMAT, StoreIdentity
 from gpusnap.storage.layout import CONFIG_KEY, chunk_key, manifest_key
-from gpusnap.storage.locks import gc_runs
+from gpusnap.storage.locks import GC_RECORD_FORMAT, gc_runs
 from gpusnap.storage.manifest import ENVELOPE_FORMAT, Manifest
 from gpusnap.storage.open import open_backend
 from gpusnap.storage.untrusted import printable
 from tests.storage.store_helpers import Keys, file_store, make_keys, write_src
 
 SEED = 20261201
+GC_BODY = {"started_at": 1.7e9, "finished_at": None, "swept": False, "refreshed_at": 1.7e9}
 # Memory per input may reach this multiple of the input's size, plus a fixed allowance (a
 # parsed JSON object is some tens of bytes per byte of text; a whole read is many times that).
 MEMORY_FACTOR = 64
@@ -218,6 +219,7 @@ def _seeds(real: tuple[CheckpointStore, str, Path]) -> dict[str, list[bytes]]:
         "gc-record": [
             json.dumps({"host": "h", "pid": 1, "started_at": 1.7e9, "finished_at": None}).encode(),
             json.dumps({"started_at": 1.7e9, "finished_at": 1.7e9 + 5, "swept": True}).encode(),
+            store.context.keys.seal(GC_RECORD_FORMAT, json.dumps(GC_BODY).encode()),
         ],
     }
 
@@ -268,12 +270,13 @@ def test_fuzz_chunk_objects(real: tuple[CheckpointStore, str, Path]) -> None:
 
 def test_fuzz_gc_records(real: tuple[CheckpointStore, str, Path], tmp_path: Path) -> None:
     backend = open_backend(f"file://{tmp_path / 'store'}")
+    ctx = replace(real[0].context, backend=backend)  # the real store's keys
     record = tmp_path / "store" / "locks" / "gc-fuzz"  # written as a store writer would
     record.parent.mkdir(parents=True)
 
     def parse(blob: bytes) -> None:
         record.write_bytes(blob)
-        runs = gc_runs(backend)  # an unreadable record is judged by its age, never raises
+        runs = gc_runs(ctx)  # an unauthentic record is judged by its age, never raises
         assert len(runs) == 1
 
     try:
