@@ -44,6 +44,7 @@ from gpusnap.storage.manifest import (
 )
 from gpusnap.storage.parallel import ProgressFn
 from gpusnap.storage.pipeline import PushInput, PushStats, SourceFile, file_input, push_inputs
+from gpusnap.storage.retry import job_deadline
 from gpusnap.storage.streams import (
     STREAMS_EXTRA_KEY,
     StreamSource,
@@ -150,7 +151,7 @@ def push_tree(
     if kinds and extra is not None and STREAMS_EXTRA_KEY in extra:
         raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
     created_at = time.time()
-    with push_lock(ctx, checkpoint_id, created_at):
+    with job_deadline(deadline), push_lock(ctx, checkpoint_id, created_at):
         identity = refresh_identity(ctx)
         sync_index_if_gc_ran(ctx)
         parents = _parent_entries(ctx, parent)

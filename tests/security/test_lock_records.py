@@ -21,7 +21,8 @@ from gpusnap.storage import CheckpointStore
 from gpusnap.storage.context import StoreContext, StoreOptions
 from gpusnap.storage.keys import generate_signing_key, load_signing_key, seal
 from gpusnap.storage.locks import GC_RECORD_FORMAT, GcRecord, gc_runs, sync_index_if_gc_ran
-from tests.storage.store_helpers import Keys, file_store, make_tree, push_tree
+from tests.storage.store_helpers import Keys, fast_options, file_store, make_tree, push_tree
+from tests.support.faultproxy import FaultProxy
 
 
 @pytest.fixture
@@ -132,3 +133,25 @@ def test_a_push_waiting_for_a_gc_ends_at_the_jobs_deadline(
     assert exit_code_for(raised.value) == 1  # docs/api.md: deadline_exceeded exits 1
     # The gc finished: the same push goes through.
     assert pushed.push(tmp_path / "src2", workload="w").checkpoint_id
+
+
+def test_a_push_retrying_a_failing_store_ends_at_the_jobs_deadline(
+    proxy: FaultProxy, s3_bucket: str, tmp_path: Path, keys: Keys
+) -> None:
+    """Retries that would go on for hours (attempts without end) stop at the job's deadline,
+    also those made on the store's worker threads (the chunk puts)."""
+    options = fast_options(
+        proxy.endpoint_url, retry_attempts=1_000_000, retry_base_delay=0.05, retry_max_delay=0.2
+    )
+    store = file_store(tmp_path, keys, url=f"s3://{s3_bucket}/ckpt", options=options)
+    try:
+        push_tree(store, tmp_path)
+        proxy.fail_next(1_000_000_000, status=503)
+        with pytest.raises(DeadlineExceeded) as raised:
+            store.push(make_tree(tmp_path / "src2", seed=7), workload="w", deadline=time.time() + 2)
+        message = str(raised.value)
+        assert "\n" not in message and "the job's deadline came after" in message
+        assert exit_code_for(raised.value) == 1
+    finally:
+        proxy.fail_next(0)
+        store.close()
