@@ -93,7 +93,7 @@ def collect(
         if record is not None:
             record.finish()
     if not dry_run:
-        remove_old_gc_records(ctx.backend, record.key if record else None)
+        remove_old_gc_records(ctx, record.key if record else None)
         report.reserve_missing = not _restore_reserve(ctx)
     return report
 

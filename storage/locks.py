@@ -15,6 +15,14 @@ Both sides, in order (docs/design.md, "Why a push never loses a chunk to gc"):
   commits, rebuilds its index when a gc may have swept since the index was listed
   (``sync_index_if_gc_ran``); the second time it waits for running gcs first.
 
+A gc record is an envelope of format ``gpusnap.gc-record/1`` sealed with the node's signing
+key (``keys.seal``, like manifests and head records). Its claims (running, swept, finished)
+count only when its signature is one this node accepts; any other record (unsigned, an
+older gpusnap's plain JSON, signed by a key not trusted here, garbage) is judged by its
+object's age alone, so nobody without a trusted key can hold a push waiting.
+
+Every wait here ends by the job's deadline when the push has one (``DeadlineExceeded``).
+
 Retention and the sweep themselves are ``gc.py``.
 """
 
@@ -26,15 +34,23 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.errors import Corrupt, GpusnapError, NotFound, Unavailable
+from gpusnap.errors import (
+    Corrupt,
+    DeadlineExceeded,
+    FailedPrecondition,
+    GpusnapError,
+    NotFound,
+    Unavailable,
+)
 from gpusnap.storage.backend import Backend, ObjectInfo
 from gpusnap.storage.context import StoreContext
 from gpusnap.storage.index import rebuild_index
+from gpusnap.storage.keys import seal
 from gpusnap.storage.layout import (
     GC_RECORD_PREFIX,
     PUSH_LOCK_PREFIX,
@@ -48,6 +64,7 @@ log = logging.getLogger(__name__)
 
 # Allowance for clocks of different hosts (and the store) disagreeing.
 CLOCK_MARGIN_SECONDS = 300.0
+GC_RECORD_FORMAT = "gpusnap.gc-record/1"
 # gc records are kept this long; an index older than this is rebuilt before use.
 GC_RECORD_KEEP_SECONDS = 7 * 86400.0
 
@@ -59,10 +76,18 @@ def _owner(started_at: float) -> dict[str, Any]:
 class LockHolder:
     """Writes a lock object and rewrites it every ``interval`` seconds until stopped."""
 
-    def __init__(self, backend: Backend, key: str, body: dict[str, Any], interval: float) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        key: str,
+        body: dict[str, Any],
+        interval: float,
+        seal: Callable[[bytes], bytes] | None = None,
+    ) -> None:
         self._backend = backend
         self.key = key
         self.body = body
+        self._seal = seal
         self._stop = threading.Event()
         self._interval = interval
         self._thread = threading.Thread(target=self._run, name=f"lock {key}", daemon=True)
@@ -73,7 +98,8 @@ class LockHolder:
 
     def write(self) -> None:
         self.body["refreshed_at"] = time.time()
-        self._backend.put(self.key, json.dumps(self.body).encode())
+        data = json.dumps(self.body, sort_keys=True).encode()
+        self._backend.put(self.key, data if self._seal is None else self._seal(data))
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -122,38 +148,46 @@ class GcRun:
     swept: bool
 
 
-def gc_runs(backend: Backend) -> list[GcRun]:
+def gc_runs(ctx: StoreContext) -> list[GcRun]:
     """Every gc record in the store.
 
-    Records are not signed: anyone who can write to the store can write one. An unreadable
-    record is none a gc wrote (a gc writes whole JSON objects, atomically), so it is judged
-    by its object's age alone: as a gc that swept and finished when the object was written.
-    That makes an index listed before then be rebuilt (safe) and holds no push waiting.
+    Anyone who can write to the store can write a record, so what one says counts only when
+    it authenticates (signed by a key this node accepts; with verification off, any sealed
+    record). Any other is none a gc of this node's trust wrote: it is judged by its object's
+    age alone, as a gc that swept and finished when the object was written. That makes an
+    index listed before then be rebuilt (safe) and holds no push waiting.
     """
     records = []
-    for info in backend.list(GC_RECORD_PREFIX):
+    for info in ctx.backend.list(GC_RECORD_PREFIX):
         try:
-            records.append(_read_gc_run(backend, info))
+            records.append(_read_gc_run(ctx, info))
         except NotFound:
             continue
-        except Corrupt as exc:
-            log.warning("gc record %s is unreadable (%s); judged by its age", info.key, exc)
+        except (Corrupt, FailedPrecondition) as exc:
+            log.warning("gc record %s is not authentic (%s); judged by its age", info.key, exc)
             records.append(GcRun(info.key, info.mtime, info.mtime, info.mtime, True))
     return records
 
 
-def _read_gc_run(backend: Backend, info: ObjectInfo) -> GcRun:
+def _read_gc_run(ctx: StoreContext, info: ObjectInfo) -> GcRun:
     what = f"gc record {info.key}"
-    body = load_json(read_capped(backend, info.key, MAX_RECORD_BYTES, what), what)
+    blob = read_capped(ctx.backend, info.key, MAX_RECORD_BYTES, what)
+    body = load_json(ctx.keys.unseal(blob, GC_RECORD_FORMAT, what=what), what)
     if not isinstance(body, dict):
         raise Corrupt(f"{what} is not a JSON object")
     finished = body.get("finished_at")
+    swept = body.get("swept")
+    if not isinstance(swept, bool):
+        raise Corrupt(f"{what} has an invalid field")
+    # A genuine record replayed (copied back under a fresh mtime) says no more than its
+    # signed refresh time: it is running only while that is recent too.
+    refreshed = _time(body.get("refreshed_at"), what)
     return GcRun(
         info.key,
         _time(body.get("started_at"), what),
         None if finished is None else _time(finished, what),
-        info.mtime,
-        bool(body.get("swept", True)),
+        min(info.mtime, refreshed + CLOCK_MARGIN_SECONDS),
+        swept,
     )
 
 
@@ -163,12 +197,16 @@ def _time(value: Any, what: str) -> float:
     return float(value)
 
 
-def sync_index_if_gc_ran(ctx: StoreContext, *, wait_for_running: bool = False) -> bool:
+def sync_index_if_gc_ran(
+    ctx: StoreContext, *, wait_for_running: bool = False, deadline: float | None = None
+) -> bool:
     """Rebuild the index when a gc may have deleted chunks since it was last listed.
 
     A gc record is dangerous to an index listed at ``T`` if that gc had not finished
     before ``T`` (less a clock margin). With ``wait_for_running``, gc runs still in
-    progress are waited for first, so the LIST sees everything they deleted.
+    progress are waited for first, so the LIST sees everything they deleted: at most the
+    lock staleness (``Unavailable``), and never past ``deadline`` (epoch seconds, the job's:
+    ``DeadlineExceeded``).
     """
     synced = ctx.index.synced_at
     now = time.time()
@@ -176,11 +214,11 @@ def sync_index_if_gc_ran(ctx: StoreContext, *, wait_for_running: bool = False) -
     if synced is None or synced < now - GC_RECORD_KEEP_SECONDS + CLOCK_MARGIN_SECONDS:
         rebuild_index(ctx.backend, ctx.index)
         return True
-    deadline = time.monotonic() + stale_after
+    wait_until = time.monotonic() + stale_after
     while True:
         risky = [
             r
-            for r in gc_runs(ctx.backend)
+            for r in gc_runs(ctx)
             if r.finished_at is None or (r.swept and r.finished_at >= synced - CLOCK_MARGIN_SECONDS)
         ]
         if not risky:
@@ -190,14 +228,27 @@ def sync_index_if_gc_ran(ctx: StoreContext, *, wait_for_running: bool = False) -
         ]
         if not (wait_for_running and running):
             break
-        if time.monotonic() > deadline:
+        if time.monotonic() > wait_until:
             raise Unavailable(f"gc {running[0].key} is still running; push not committed")
-        time.sleep(0.2)
+        if deadline is not None and time.time() >= deadline:
+            raise DeadlineExceeded(
+                f"gc {running[0].key} is still running at the job's deadline; push not committed"
+            )
+        time.sleep(0.2 if deadline is None else max(0.0, min(0.2, deadline - time.time())))
     rebuild_index(ctx.backend, ctx.index)
     return True
 
 
 # --- the gc's side -----------------------------------------------------------------------
+
+
+def _seal_record(ctx: StoreContext, payload: bytes) -> bytes:
+    """The record sealed with the node's key; unsigned where it has only a public key (a gc
+    of such a node still records itself; no reader trusts what its record claims)."""
+    signer = ctx.keys.signer
+    if signer is not None and signer.private_key is None:
+        signer = None
+    return seal(GC_RECORD_FORMAT, payload, signer=signer, encryption=ctx.keys.encryption)
 
 
 class GcRecord:
@@ -210,6 +261,7 @@ class GcRecord:
             gc_record_key(new_checkpoint_id(now)),
             body,
             ctx.options.lock_refresh_seconds,
+            seal=lambda payload: _seal_record(ctx, payload),
         )
         self.key = self._holder.key
 
@@ -241,12 +293,12 @@ def push_locks(ctx: StoreContext) -> tuple[list[str], list[ObjectInfo]]:
     return fresh, stale
 
 
-def remove_old_gc_records(backend: Backend, own_key: str | None) -> None:
+def remove_old_gc_records(ctx: StoreContext, own_key: str | None) -> None:
     """Delete the records of gc runs that ended more than ``GC_RECORD_KEEP_SECONDS`` ago."""
     cutoff = time.time() - GC_RECORD_KEEP_SECONDS
-    for record in gc_runs(backend):
+    for record in gc_runs(ctx):
         if record.key == own_key:
             continue
         end = record.finished_at if record.finished_at is not None else record.mtime
         if end < cutoff:
-            backend.delete(record.key)
+            ctx.backend.delete(record.key)

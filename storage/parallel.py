@@ -9,6 +9,7 @@ and stops every other (``Run``); foreign exceptions become one of our kinds at t
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import threading
 from collections.abc import Callable
@@ -58,7 +59,8 @@ class Outstanding:
         with self._cond:
             self._count += 1
         try:
-            future = pool.submit(fn, *args)
+            # In the submitter's context: a job's deadline (``retry.job_deadline``) holds there.
+            future = pool.submit(contextvars.copy_context().run, fn, *args)
         except BaseException:
             self._finished(None)
             raise

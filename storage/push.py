@@ -44,6 +44,7 @@ from gpusnap.storage.manifest import (
 )
 from gpusnap.storage.parallel import ProgressFn
 from gpusnap.storage.pipeline import PushInput, PushStats, SourceFile, file_input, push_inputs
+from gpusnap.storage.retry import job_deadline
 from gpusnap.storage.streams import (
     STREAMS_EXTRA_KEY,
     StreamSource,
@@ -123,6 +124,7 @@ def push_tree(
     uploaded_streams: UploadedStreams | None,
     full: bool = False,
     seed_cache: bool = False,
+    deadline: float | None = None,
 ) -> PushResult:
     """Upload ``src`` (and streams) as a new checkpoint, then commit its manifest.
 
@@ -149,7 +151,7 @@ def push_tree(
     if kinds and extra is not None and STREAMS_EXTRA_KEY in extra:
         raise InvalidArgument(f"extra[{STREAMS_EXTRA_KEY!r}] is reserved for streams")
     created_at = time.time()
-    with push_lock(ctx, checkpoint_id, created_at):
+    with job_deadline(deadline), push_lock(ctx, checkpoint_id, created_at):
         identity = refresh_identity(ctx)
         sync_index_if_gc_ran(ctx)
         parents = _parent_entries(ctx, parent)
@@ -175,7 +177,7 @@ def push_tree(
             # A gc that may have swept while this push ran could have removed chunks the
             # index said were there, even ones the proof saw: wait for it, then prove every
             # chunk the manifest names against a LIST taken after it.
-            if sync_index_if_gc_ran(ctx, wait_for_running=True):
+            if sync_index_if_gc_ran(ctx, wait_for_running=True, deadline=deadline):
                 proof.abandon()
                 proof = ChunkProof(ctx)
                 unproven = {c.id for e in entries for c in e.chunks}

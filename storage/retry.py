@@ -3,7 +3,9 @@
 Only errors that say they are worth retrying (``retryable = True``: ``Unavailable``,
 ``DeadlineExceeded``) are retried. ``NotFound``, ``AlreadyExists``, ``Corrupt`` and every
 other kind are final on the first attempt. When the attempts (or the deadline) run out, the
-last error is raised again with the number of attempts added to its message.
+last error is raised again with the number of attempts added to its message. Inside
+``job_deadline`` (a checkpoint job's deadline, epoch seconds) no retry starts, and no sleep
+runs, past that deadline either: the call fails with ``DeadlineExceeded`` instead.
 
 Conditional puts and ambiguous failures: a put whose connection dies after the store has
 applied it looks like a failure, so the retry of an ``if_absent`` put may find its *own*
@@ -23,14 +25,37 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TypeVar
 
-from gpusnap.errors import AlreadyExists, GpusnapError, InvalidArgument, with_message
+from gpusnap.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    GpusnapError,
+    InvalidArgument,
+    with_message,
+)
 from gpusnap.storage.backend import Backend, ObjectInfo
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The deadline (epoch seconds) of the job whose store calls run in this context; the store's
+# worker pools run their tasks in the submitter's context (``parallel.Outstanding``).
+_JOB_DEADLINE: ContextVar[float | None] = ContextVar("gpusnap_job_deadline", default=None)
+
+
+@contextmanager
+def job_deadline(deadline: float | None) -> Iterator[None]:
+    """Bound every retry of the store calls made in the body by ``deadline`` (epoch seconds;
+    ``None``: no bound beyond the backend's own)."""
+    token = _JOB_DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _JOB_DEADLINE.reset(token)
 
 
 class RetryingBackend:
@@ -170,6 +195,12 @@ class RetryingBackend:
         elapsed = self._clock() - started
         delay = self._rng.uniform(0, min(self.max_delay, self.base_delay * 2 ** (failures - 1)))
         out_of_time = self.deadline is not None and elapsed + delay >= self.deadline
+        job_end = _JOB_DEADLINE.get()
+        if failures < self.attempts and job_end is not None and time.time() + delay >= job_end:
+            raise DeadlineExceeded(
+                f"{exc} (the job's deadline came after {failures} "
+                f"attempt{'s' if failures > 1 else ''} in {elapsed:.1f}s)"
+            ) from exc
         if failures >= self.attempts or out_of_time:
             why = "deadline reached" if out_of_time and failures < self.attempts else "gave up"
             raise with_message(

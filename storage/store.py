@@ -110,6 +110,7 @@ class CheckpointStore:
         uploaded_streams: UploadedStreams | None = None,
         full: bool = False,
         seed_cache: bool = False,
+        deadline: float | None = None,
     ) -> PushResult:
         """Upload the tree ``src`` as a new checkpoint; the manifest is committed last.
 
@@ -127,6 +128,8 @@ class CheckpointStore:
 
         ``seed_cache`` keeps every chunk object this push uploads in the node's chunk cache
         too (when the store has one): what a node just pushed, it holds.
+        ``deadline`` (epoch seconds, the job's) bounds the wait for a running gc before the
+        commit: past it the push fails with ``DeadlineExceeded``.
         """
         return push.push_tree(
             self.context,
@@ -143,6 +146,7 @@ class CheckpointStore:
             uploaded_streams=uploaded_streams,
             full=full,
             seed_cache=seed_cache,
+            deadline=deadline,
         )
 
     def upload_streams(

@@ -162,6 +162,10 @@ def _widen(fd: int) -> None:
 # --- a tar stream unpacked from a pipe, file data spliced -------------------------------------
 
 _BLOCK = 512
+# A PAX or GNU long-name header's payload at most (a path and a size are all that is read).
+_MAX_META = 1 << 20
+# What creating a member's file or directory fails with when the archive's names clash.
+_CLASHES = (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
 
 
 def unpack_stream(fd: int, dest: Path, *, on_file: Callable[[str, int], None] | None = None) -> int:
@@ -187,6 +191,8 @@ def unpack_stream(fd: int, dest: Path, *, on_file: Callable[[str, int], None] | 
         except tarfile.HeaderError as exc:
             raise Corrupt(f"checkpoint archive: bad header ({exc})") from exc
         if info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME):
+            if info.size > _MAX_META:
+                raise Corrupt(f"checkpoint archive: an extended header of {info.size} bytes")
             payload = _read_exact(fd, info.size)
             _read_exact(fd, -info.size % _BLOCK)
             if info.type == tarfile.XHDTYPE:
@@ -197,34 +203,48 @@ def unpack_stream(fd: int, dest: Path, *, on_file: Callable[[str, int], None] | 
         if "path" in pending:
             info.name = pending["path"]
         if "size" in pending:
-            info.size = int(pending["size"])
+            size = pending["size"]
+            if not (size.isascii() and size.isdigit() and len(size) <= 20):
+                raise Corrupt("checkpoint archive: bad size in a PAX header")
+            info.size = int(size)
         pending = {}
         try:
             member = _files_only(info, root)
-        except tarfile.FilterError as exc:
+        except (tarfile.FilterError, ValueError) as exc:  # ValueError: a NUL in a PAX path
             raise Corrupt(f"checkpoint archive: {exc}") from exc
         if member is None:
             continue
         target = dest / member.name
-        if member.isdir():
-            target.mkdir(mode=0o700, parents=True, exist_ok=True)
-        else:
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _receive_file(fd, target, member, on_file)
+        try:
+            if member.isdir():
+                target.mkdir(mode=0o700, parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                out = os.open(
+                    target,
+                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    (member.mode or 0o600) & 0o700 or 0o600,
+                )
+        except OSError as exc:
+            if exc.errno not in _CLASHES:
+                raise
+            # A name the archive's own members make impossible (a file where it has a
+            # directory, or the reverse), or one too long: not an archive a runtime writes.
+            raise Corrupt(
+                f"checkpoint archive: cannot make {member.name[:200]!r} ({exc.strerror})"
+            ) from exc
+        if not member.isdir():
+            _receive_file(fd, out, member, on_file)
         members += 1
 
 
 def _receive_file(
     fd: int,
-    target: Path,
+    out: int,
     member: tarfile.TarInfo,
     on_file: Callable[[str, int], None] | None,
 ) -> None:
-    out = os.open(
-        target,
-        os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-        (member.mode or 0o600) & 0o700 or 0o600,
-    )
+    """Move ``member``'s data from the pipe ``fd`` into the file open at ``out`` (closed)."""
     try:
         if on_file is not None:
             on_file(os.path.normpath(member.name), member.size)
@@ -248,7 +268,7 @@ def _read_exact(fd: int, n: int) -> bytes:
     """``n`` bytes from ``fd``, or fewer at the end of the stream."""
     parts: list[bytes] = []
     while n > 0:
-        data = os.read(fd, n)
+        data = os.read(fd, min(n, _BUF))  # what a header claims is not allocated up front
         if not data:
             break
         parts.append(data)

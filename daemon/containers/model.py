@@ -22,6 +22,11 @@ from typing import Any
 from gpusnap.daemon.containers.criustats import dump_stats, pause_seconds
 from gpusnap.errors import Corrupt, NotFound
 
+# What reading a JSON document of the wrong shape (a list for an object, a string for a
+# number, a missing key, an integer too large) raises: parsers catch these and say which
+# document it was.
+UNEXPECTED_JSON = (AttributeError, KeyError, TypeError, ValueError, OverflowError, RecursionError)
+
 RECORD_NAME = "gpusnap-container.json"
 RECORD_FORMAT = "gpusnap.container/1"
 
@@ -133,7 +138,7 @@ class ContainerInfo:
                     "image_digests": tuple(d.get("image_digests", ())),
                 }
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except UNEXPECTED_JSON as exc:
             raise Corrupt(f"container record: {exc}") from exc
 
 
@@ -209,7 +214,7 @@ def load_parts(directory: Path) -> CheckpointParts:
         rec = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise NotFound(f"{directory} is not a container checkpoint (no {RECORD_NAME})") from exc
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise Corrupt(f"{path}: {exc}") from exc
     if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT:
         raise Corrupt(f"{path}: not a {RECORD_FORMAT} record")
@@ -218,15 +223,22 @@ def load_parts(directory: Path) -> CheckpointParts:
         raise Corrupt(f"{path}: no parts index")
     for rel, kind in parts.items():
         check_part_name(directory, rel)
-        if kind not in PART_KINDS:
+        if not isinstance(kind, str) or kind not in PART_KINDS:
             raise Corrupt(f"{path}: part {rel!r} has unknown kind {kind!r}")
+    container = rec.get("container")
+    extra = rec.get("extra") or {}
+    seconds = rec.get("seconds", 0.0)
+    if not isinstance(container, dict) or not isinstance(extra, dict):
+        raise Corrupt(f"{path}: no container section")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds > 2**40:
+        raise Corrupt(f"{path}: seconds is not a number of seconds")
     return CheckpointParts(
         directory=directory,
-        container=ContainerInfo.from_dict(rec["container"]),
+        container=ContainerInfo.from_dict(container),
         parts={str(k): str(v) for k, v in parts.items()},
         leave_running=bool(rec.get("leave_running", False)),
-        seconds=float(rec.get("seconds", 0.0)),
-        extra=dict(rec.get("extra") or {}),
+        seconds=float(seconds),
+        extra=dict(extra),
     )
 
 

@@ -7,13 +7,29 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from gpusnap.daemon.containers.model import ContainerSpec, Device, Mount, Ulimit
+from gpusnap.daemon.containers.model import (
+    UNEXPECTED_JSON,
+    ContainerSpec,
+    Device,
+    Mount,
+    Ulimit,
+)
+from gpusnap.errors import Internal
 
 # Mounts every OCI config has; a cold start gets them from the runtime's own template.
 _SYSTEM_MOUNTS = ("/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys", "/sys/fs/cgroup")
 
 
-def spec_from_oci(config: dict[str, Any], *, image_id: str, image: str = "") -> ContainerSpec:
+def spec_from_oci(config: Any, *, image_id: str, image: str = "") -> ContainerSpec:
+    """The spec of the container an OCI ``config.json`` describes; ``Internal`` when
+    ``config`` is not one."""
+    try:
+        return _spec_from_oci(config, image_id=image_id, image=image)
+    except UNEXPECTED_JSON as exc:
+        raise Internal(f"OCI config: unexpected JSON ({type(exc).__name__}: {exc})") from exc
+
+
+def _spec_from_oci(config: dict[str, Any], *, image_id: str, image: str) -> ContainerSpec:
     proc = config.get("process") or {}
     linux = config.get("linux") or {}
     res = linux.get("resources") or {}

@@ -13,12 +13,14 @@ from gpusnap.daemon.containers.model import (
     PART_CRIU,
     PART_ROOTFS,
     PART_RUNTIME,
+    UNEXPECTED_JSON,
     ContainerSpec,
     Device,
     Mount,
     Ulimit,
     index_parts,
 )
+from gpusnap.errors import Internal
 
 _PARTS = {
     "checkpoint/": PART_CRIU,
@@ -88,8 +90,16 @@ def _mount_args(m: Mount) -> list[str]:
     return ["--volume", f"{m.source}:{m.destination}:{mode}"]
 
 
-def spec_of(d: dict[str, Any], image_id: str) -> ContainerSpec:
-    """The spec of the container ``podman container inspect`` described as ``d``."""
+def spec_of(d: Any, image_id: str) -> ContainerSpec:
+    """The spec of the container ``podman container inspect`` described as ``d``;
+    ``Internal`` when ``d`` is not what podman prints."""
+    try:
+        return _spec_of(d, image_id)
+    except UNEXPECTED_JSON as exc:
+        raise Internal(f"podman inspect: unexpected JSON ({type(exc).__name__}: {exc})") from exc
+
+
+def _spec_of(d: dict[str, Any], image_id: str) -> ContainerSpec:
     cfg = d.get("Config") or {}
     host = d.get("HostConfig") or {}
     entry = cfg.get("Entrypoint") or []

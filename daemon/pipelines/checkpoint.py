@@ -190,6 +190,7 @@ def run_checkpoint(node: Node, ctx: JobContext, plan: CheckpointPlan) -> None:
                 uploaded_streams=uploaded,
                 full=full is not None,
                 seed_cache=seed,
+                deadline=ctx.deadline,
             )
         except GpusnapError as err:
             if not plan.leave_running:

@@ -226,6 +226,7 @@ def run_container_checkpoint(node: Node, ctx: JobContext, plan: ContainerCheckpo
                 ),
                 full=full is not None,
                 seed_cache=seed,
+                deadline=ctx.deadline,
             )
         except GpusnapError as err:
             if not plan.leave_running:

@@ -1,5 +1,7 @@
 """Fuzzing every parser that sees bytes nobody has authenticated yet: envelopes (manifests, store
-config), config payloads, manifests, chunk objects, gc records, and CRIU images.
+config), config payloads, manifests, chunk objects, gc records, CRIU images, and container
+checkpoint archives (the tar stream a runtime exports, containerd's OCI layout, the parts record
+a restore reads, and what a runtime prints of a container).
 
 Seeded and bounded: each parser gets a fixed number of inputs mutated from real seeds (objects
 a real store wrote, images built to CRIU's format), with mutations that aim at parsers (deep
@@ -12,32 +14,55 @@ peak memory) are printed (``pytest -s``).
 
 from __future__ import annotations
 
+import functools
+import io
 import json
+import os
 import random
+import shutil
 import struct
+import tarfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpusnap.daemon.containers.archive import pack, unpack_stream
+from gpusnap.daemon.containers.containerd_format import parts_of_layout
 from gpusnap.daemon.containers.criustats import parse_dump_stats
+from gpusnap.daemon.containers.model import (
+    PART_CONFIG,
+    PART_CRIU,
+    RECORD_FORMAT,
+    RECORD_NAME,
+    ContainerInfo,
+    ContainerSpec,
+    Device,
+    Mount,
+    Ulimit,
+    load_parts,
+)
+from gpusnap.daemon.containers.oci import spec_from_oci
+from gpusnap.daemon.containers.podman_format import spec_of
 from gpusnap.daemon.host.criuimg import COMMON_MAGIC
 from gpusnap.daemon.host.openfiles import recorded_sizes
-from gpusnap.errors import GpusnapError
+from gpusnap.errors import Corrupt, GpusnapError, Internal
 from gpusnap.storage import CheckpointStore
 from gpusnap.storage.identity import CONFIG_FORMAT, StoreIdentity
 from gpusnap.storage.layout import CONFIG_KEY, chunk_key, manifest_key
-from gpusnap.storage.locks import gc_runs
+from gpusnap.storage.locks import GC_RECORD_FORMAT, gc_runs
 from gpusnap.storage.manifest import ENVELOPE_FORMAT, Manifest
 from gpusnap.storage.open import open_backend
 from gpusnap.storage.untrusted import printable
 from tests.storage.store_helpers import Keys, file_store, make_keys, write_src
 
 SEED = 20261201
+GC_BODY = {"started_at": 1.7e9, "finished_at": None, "swept": False, "refreshed_at": 1.7e9}
 # Memory per input may reach this multiple of the input's size, plus a fixed allowance (a
 # parsed JSON object is some tens of bytes per byte of text; a whole read is many times that).
 MEMORY_FACTOR = 64
@@ -188,6 +213,22 @@ def _fuzz(
     return figures
 
 
+def _fuzz_file(
+    name: str, path: Path, read: Callable[[], object], seed: bytes, count: int
+) -> Figures:
+    """``_fuzz`` of a reader of the file at ``path`` (each input written there first); the
+    seed is put back after."""
+
+    def parse(blob: bytes) -> None:
+        path.write_bytes(blob)
+        read()
+
+    try:
+        return _fuzz(name, parse, [seed], count)
+    finally:
+        path.write_bytes(seed)
+
+
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CheckpointStore, str, Path]]:
     """A real store holding one small checkpoint: the seeds come from what it wrote."""
@@ -218,6 +259,7 @@ def _seeds(real: tuple[CheckpointStore, str, Path]) -> dict[str, list[bytes]]:
         "gc-record": [
             json.dumps({"host": "h", "pid": 1, "started_at": 1.7e9, "finished_at": None}).encode(),
             json.dumps({"started_at": 1.7e9, "finished_at": 1.7e9 + 5, "swept": True}).encode(),
+            store.context.keys.seal(GC_RECORD_FORMAT, json.dumps(GC_BODY).encode()),
         ],
     }
 
@@ -268,12 +310,13 @@ def test_fuzz_chunk_objects(real: tuple[CheckpointStore, str, Path]) -> None:
 
 def test_fuzz_gc_records(real: tuple[CheckpointStore, str, Path], tmp_path: Path) -> None:
     backend = open_backend(f"file://{tmp_path / 'store'}")
+    ctx = replace(real[0].context, backend=backend)  # the real store's keys
     record = tmp_path / "store" / "locks" / "gc-fuzz"  # written as a store writer would
     record.parent.mkdir(parents=True)
 
     def parse(blob: bytes) -> None:
         record.write_bytes(blob)
-        runs = gc_runs(backend)  # an unreadable record is judged by its age, never raises
+        runs = gc_runs(ctx)  # an unauthentic record is judged by its age, never raises
         assert len(runs) == 1
 
     try:
@@ -323,15 +366,205 @@ def test_fuzz_criu_files_and_mounts(tmp_path: Path) -> None:
     (images / "files.img").write_bytes(files)
     assert recorded_sizes(images) == {"app/data.bin": 4096}
 
-    def parse(blob: bytes) -> None:
-        (images / "files.img").write_bytes(blob)
-        recorded_sizes(images)
+    read = functools.partial(recorded_sizes, images)
+    _fuzz_file("CRIU files.img", images / "files.img", read, files, 800)
+    _fuzz_file("CRIU mountpoints images", images / "mountpoints-1.img", read, mounts, 800)
 
-    _fuzz("CRIU files.img", parse, [files], 800)
-    (images / "files.img").write_bytes(files)
 
-    def parse_mounts(blob: bytes) -> None:
-        (images / "mountpoints-1.img").write_bytes(blob)
-        recorded_sizes(images)
+# --- container checkpoint archives ---------------------------------------------------------
 
-    _fuzz("CRIU mountpoints images", parse_mounts, [mounts], 800)
+
+def _unpack(blob: bytes, dest: Path) -> None:
+    """``blob`` through a pipe into ``unpack_stream``, as a runtime's export arrives."""
+    read_end, write_end = os.pipe()
+
+    def write() -> None:
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(write_end, view[: 1 << 16]) :]
+        except OSError:
+            pass  # the reader stopped early (EPIPE): what it does then is under test
+        finally:
+            os.close(write_end)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    dest.mkdir()
+    try:
+        unpack_stream(read_end, dest)
+    finally:
+        os.close(read_end)
+        writer.join()
+        shutil.rmtree(dest)
+
+
+def _tar_seeds(tmp: Path) -> list[bytes]:
+    src = tmp / "parts"
+    long_dir = "checkpoint/" + "d" * 120  # a name past 100 bytes: a PAX or GNU long name
+    (src / long_dir).mkdir(parents=True)
+    files = {
+        "config.dump": b'{"a": 1}',
+        "checkpoint/pages-1.img": bytes(range(256)) * 9,
+        f"{long_dir}/core.img": b"core" * 50,
+        "deleted.files": b"",
+    }
+    for rel, data in files.items():
+        (src / rel).write_bytes(data)
+    pack(src, sorted(files), tmp / "pax.tar")
+    gnu = io.BytesIO()
+    with tarfile.open(fileobj=gnu, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for rel in sorted(files):
+            tar.add(src / rel, arcname=rel)
+    return [(tmp / "pax.tar").read_bytes(), gnu.getvalue()]
+
+
+def test_fuzz_container_tar_streams(tmp_path: Path) -> None:
+    seeds = _tar_seeds(tmp_path)
+    _unpack(seeds[0], tmp_path / "check")  # the seed itself unpacks
+    runs = iter(range(10**9))
+    _fuzz(
+        "container archives (tar streams)",
+        lambda blob: _unpack(blob, tmp_path / f"out{next(runs)}"),
+        seeds,
+        1500,
+    )
+
+
+def _container_record() -> dict[str, Any]:
+    spec = ContainerSpec(
+        image="localhost/tinylm:1",
+        image_id="sha256:" + "a" * 64,
+        command=("python", "serve.py"),
+        env=("A=1",),
+        mounts=(Mount("/data", "/srv/data", "bind", ("rbind",)),),
+        devices=(Device("/dev/nvidia0", "/dev/nvidia0"),),
+        ulimits=(Ulimit("nofile", 1024, 4096),),
+        resources={"memory": "1073741824"},
+        annotations={"k": "v"},
+    )
+    info = ContainerInfo("c1", "llm", "podman", "5.4.2", True, (10, 11), spec, {"pids": "max"})
+    return {
+        "format": RECORD_FORMAT,
+        "container": info.as_dict(),
+        "parts": {"config.dump": PART_CONFIG, "checkpoint/pages-1.img": PART_CRIU},
+        "leave_running": False,
+        "seconds": 1.5,
+        "extra": {},
+    }
+
+
+def test_fuzz_container_checkpoint_records(tmp_path: Path) -> None:
+    """The record (``gpusnap-container.json``) of a parts directory a restore pulled."""
+    parts = tmp_path / "parts"
+    (parts / "checkpoint").mkdir(parents=True)
+    (parts / "config.dump").write_bytes(b"{}")
+    (parts / "checkpoint" / "pages-1.img").write_bytes(b"pages")
+    seed = json.dumps(_container_record()).encode()
+    (parts / RECORD_NAME).write_bytes(seed)
+    assert load_parts(parts).container.spec.ulimits == (Ulimit("nofile", 1024, 4096),)
+
+    read = functools.partial(load_parts, parts)
+    _fuzz_file("container checkpoint records", parts / RECORD_NAME, read, seed, 1500)
+
+
+def test_fuzz_containerd_checkpoint_layouts(tmp_path: Path) -> None:
+    """The OCI layout containerd exports a checkpoint image as: its index and manifests."""
+    layout = tmp_path / "layout"
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    (blobs / ("c" * 64)).write_bytes(b"criu images")
+    inner = {
+        "manifests": [
+            {
+                "digest": "sha256:" + "c" * 64,
+                "mediaType": "application/vnd.containerd.container.criu.checkpoint.criu.tar",
+            }
+        ]
+    }
+    (blobs / ("b" * 64)).write_text(json.dumps(inner))
+    index = json.dumps({"manifests": [{"digest": "sha256:" + "b" * 64}]}).encode()
+    (layout / "index.json").write_bytes(index)
+    assert parts_of_layout(layout)[f"blobs/sha256/{'c' * 64}"] == PART_CRIU
+
+    read = functools.partial(parts_of_layout, layout)
+    _fuzz_file("containerd layouts (index.json)", layout / "index.json", read, index, 1000)
+    manifest = json.dumps(inner).encode()
+    _fuzz_file("containerd layouts (manifest)", blobs / ("b" * 64), read, manifest, 1000)
+
+
+def test_fuzz_runtime_container_descriptions() -> None:
+    """What a runtime prints of a container: podman's inspect JSON, an OCI ``config.json``."""
+    podman = {
+        "ImageName": "localhost/tinylm:1",
+        "Config": {"Cmd": ["serve"], "Entrypoint": "/bin/sh", "Env": ["A=1"], "User": "1000"},
+        "HostConfig": {
+            "Ulimits": [{"Name": "RLIMIT_NOFILE", "Soft": 1024, "Hard": 4096}],
+            "Devices": [{"PathOnHost": "/dev/nvidia0", "PathInContainer": "/dev/nvidia0"}],
+            "Memory": 1 << 30,
+        },
+        "Mounts": [{"Destination": "/data", "Source": "/srv", "Type": "bind", "RW": False}],
+    }
+    oci = {
+        "process": {
+            "args": ["serve"],
+            "env": ["A=1"],
+            "user": {"uid": 1000, "gid": 1000},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "soft": 1024, "hard": 4096}],
+        },
+        "mounts": [{"destination": "/data", "source": "/srv", "options": ["rbind"]}],
+        "linux": {
+            "resources": {"memory": {"limit": 1 << 30}, "cpu": {"quota": 5000}},
+            "namespaces": [{"type": "network"}],
+            "devices": [{"path": "/dev/nvidia0"}],
+        },
+        "annotations": {"org.opencontainers.image.ref.name": "tinylm"},
+    }
+    assert spec_of(podman, "sha256:x").ulimits == (Ulimit("nofile", 1024, 4096),)
+    assert spec_from_oci(oci, image_id="sha256:x").user == "1000:1000"
+
+    def parse_json(blob: bytes) -> Any:
+        try:  # as ``Runtime.json`` reads what the runtime printed
+            return json.loads(blob)
+        except (ValueError, RecursionError) as exc:
+            raise Internal("printed no JSON") from exc
+
+    _fuzz(
+        "podman inspect JSON",
+        lambda blob: spec_of(parse_json(blob), "sha256:x"),
+        [json.dumps(podman).encode()],
+        1500,
+    )
+    _fuzz(
+        "OCI config.json",
+        lambda blob: spec_from_oci(parse_json(blob), image_id="sha256:x"),
+        [json.dumps(oci).encode()],
+        1500,
+    )
+
+
+def test_a_tar_header_claiming_a_huge_extended_header_is_refused_unread(tmp_path: Path) -> None:
+    """A PAX header that claims 4 GiB is refused before anything is read for it (a reader that
+    asked the pipe for the claimed size at once would allocate it)."""
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type = tarfile.XHDTYPE
+    info.size = 4 << 30
+    blob = info.tobuf(format=tarfile.USTAR_FORMAT) + b"30 path=" + b"a" * 21 + b"\n"
+    tracemalloc.start()
+    try:
+        with pytest.raises(Corrupt, match="an extended header of 4294967296 bytes"):
+            _unpack(blob, tmp_path / "out")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MEMORY_FLOOR, peak
+
+
+def test_a_containerd_layout_digest_never_names_a_file_outside_it(tmp_path: Path) -> None:
+    layout = tmp_path / "layout"
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    (tmp_path / "secret").write_text('{"manifests": []}')  # would parse, were it read
+    escape = {"manifests": [{"digest": "sha256:../../../secret"}]}
+    (layout / "index.json").write_text(json.dumps(escape))
+    with pytest.raises(Corrupt, match="names a digest that is not one"):
+        parts_of_layout(layout)

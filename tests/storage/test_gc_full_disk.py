@@ -6,6 +6,7 @@ CLI as a subprocess, the way an operator runs gc when the disk has filled.
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ from gpusnap.errors import InvalidArgument
 from gpusnap.storage.backend import release_space_reserve, restore_space_reserve
 from gpusnap.storage.file_backend import RESERVE_BYTES
 from gpusnap.storage.layout import RESERVE_NAME
+from gpusnap.storage.locks import GC_RECORD_FORMAT
 from gpusnap.storage.open import open_backend
 from tests.cli._cli import Cli, make_cli, write_tree
 from tests.storage.store_helpers import MiB, StoreUnderTest, fast_options, mounted_tmpfs
@@ -104,7 +106,9 @@ def test_gc_runs_on_a_full_disk_frees_space_and_puts_the_reserve_back(
     # The gc recorded itself, finished, and left no temp file behind.
     records = list((store / "locks").glob("gc-*"))
     assert len(records) == 1
-    record = json.loads(records[0].read_bytes())
+    envelope = json.loads(records[0].read_bytes())  # signed, not encrypted (no key given)
+    assert envelope["format"] == GC_RECORD_FORMAT and envelope["signature"]
+    record = json.loads(base64.b64decode(envelope["payload"]))
     assert record["swept"] is True and record["finished_at"] is not None
     assert not [p for p in store.rglob("*") if p.name.startswith(".gpusnap-tmp")]
 

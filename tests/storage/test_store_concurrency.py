@@ -17,6 +17,7 @@ from gpusnap.storage.layout import (
     chunk_key,
     push_lock_key,
 )
+from gpusnap.storage.locks import GC_RECORD_FORMAT
 from tests.storage.store_helpers import Keys, MiB, file_store, random_bytes, write_src
 
 
@@ -151,7 +152,9 @@ def test_push_rechecks_its_chunks_when_a_sweeping_gc_overlapped_it(
                     store.backend.delete(info.key)
                 now = time.time()
                 record = {"started_at": now - 1, "finished_at": now, "swept": True}
-                store.backend.put(f"{LOCK_PREFIX}gc-manual", json.dumps(record).encode())
+                record["refreshed_at"] = now
+                sealed = store.context.keys.seal(GC_RECORD_FORMAT, json.dumps(record).encode())
+                store.backend.put(f"{LOCK_PREFIX}gc-manual", sealed)
 
         result = store.push(src, workload="w", progress=progress)
         assert done.is_set()
