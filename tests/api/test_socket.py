@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import grp
 import os
-import pwd
 import shutil
 import socket
 import stat
@@ -23,13 +22,14 @@ from gpusnap.daemon.api.listeners import TcpListenerConfig, start_server, stop_s
 from gpusnap.errors import EXIT_DAEMON_UNREACHABLE, AlreadyExists, FailedPrecondition
 from tests.api.fake_service import REPO, FakeService
 from tests.support.tls import Ca, free_port
+from tests.support.users import ensure_group, ensure_user
 
 GROUP = "gpusnap"
 OUTSIDER = "gpusnap-test-outsider"
 MEMBER = "gpusnap-test-member"
 
-# useradd/groupadd/usermod write /etc/passwd and /etc/group under a lock that a second one
-# fails on (exit 10): every test of this module runs on one xdist worker.
+# Users are made here (tests/support/users.py): every test of this module runs on the worker
+# of the etc-passwd group.
 pytestmark = pytest.mark.xdist_group("etc-passwd")
 
 needs_root = pytest.mark.skipif(
@@ -38,36 +38,11 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def _ensure_group(name: str) -> int:
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        # Exit 9: created meanwhile by a parallel test; fine.
-        rc = subprocess.run(["groupadd", "--system", name], check=False).returncode
-        assert rc in (0, 9)
-        return grp.getgrnam(name).gr_gid
-
-
-def _ensure_user(name: str, groups: list[str]) -> None:
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin"]
-        if groups:
-            cmd += ["--groups", ",".join(groups)]
-        rc = subprocess.run([*cmd, name], check=False).returncode
-        assert rc in (0, 9)
-    member_of = {g.gr_name for g in grp.getgrall() if name in g.gr_mem}
-    for g in groups:
-        if g not in member_of:
-            subprocess.run(["usermod", "-aG", g, name], check=True)
-
-
 @pytest.fixture
 def grouped_server(service: FakeService, socket_dir: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("chown to the gpusnap group needs root")
-    _ensure_group(GROUP)
+    ensure_group(GROUP)
     path = socket_dir / "gpusnapd.sock"
     srv = start_server(service, socket_path=path)  # default group: gpusnap
     yield path
@@ -155,7 +130,7 @@ def _cli_as(user: str, socket_path: Path, *args: str) -> subprocess.CompletedPro
 
 @needs_root
 def test_user_outside_the_group_is_refused_at_the_socket(grouped_server: Path) -> None:
-    _ensure_user(OUTSIDER, [])
+    ensure_user(OUTSIDER, [])
     proc = _cli_as(OUTSIDER, grouped_server, "status")
     assert proc.returncode == EXIT_DAEMON_UNREACHABLE, proc.stderr
     assert proc.stderr == (
@@ -165,7 +140,7 @@ def test_user_outside_the_group_is_refused_at_the_socket(grouped_server: Path) -
 
 @needs_root
 def test_user_in_the_group_can_connect(grouped_server: Path) -> None:
-    _ensure_user(MEMBER, [GROUP])
+    ensure_user(MEMBER, [GROUP])
     proc = _cli_as(MEMBER, grouped_server, "status", "--json")
     assert proc.returncode == 0, proc.stderr
     assert '"version": "0.1.0"' in proc.stdout

@@ -33,6 +33,7 @@ from tests.support import workloads
 from tests.support.criu import criu_or_skip
 from tests.support.daemons import BIN, Node, Nodes
 from tests.support.tls import Ca, free_port
+from tests.support.users import ensure_user
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = "gpusnap"
@@ -44,36 +45,13 @@ MARKER = "gpusnap-authz-marker-60011"  # in the command line of the processes `m
 
 pytestmark = [
     pytest.mark.criu,
+    # Users are made here (tests/support/users.py): the etc-passwd group's worker.
+    pytest.mark.xdist_group("etc-passwd"),
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("useradd") is None,
         reason="needs root with useradd/groupadd to create test users",
     ),
 ]
-
-
-def _group(name: str) -> int:
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        rc = subprocess.run(["groupadd", "--system", name], check=False).returncode
-        assert rc in (0, 9)  # 9: made meanwhile by a parallel test
-        return grp.getgrnam(name).gr_gid
-
-
-def _user(name: str, groups: list[str]) -> pwd.struct_passwd:
-    for g in groups:
-        _group(g)
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin"]
-        rc = subprocess.run([*cmd, name], check=False).returncode
-        assert rc in (0, 9)
-    member_of = {g.gr_name for g in grp.getgrall() if name in g.gr_mem}
-    for g in groups:
-        if g not in member_of:
-            subprocess.run(["usermod", "-aG", g, name], check=True)
-    return pwd.getpwnam(name)
 
 
 @dataclass
@@ -192,8 +170,8 @@ def _pki(d: Path) -> Pki:
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
     criu_or_skip()
-    member = _user(MEMBER, [GROUP])
-    _user(ADMIN, [GROUP, ADMIN_GROUP])
+    member = ensure_user(MEMBER, [GROUP])
+    ensure_user(ADMIN, [GROUP, ADMIN_GROUP])
     base = Path(tempfile.mkdtemp(prefix="gpusnap-authz-"))
     base.chmod(0o755)  # the users must reach the socket and their process's cwd
     pki_dir = base / "pki"
@@ -483,7 +461,7 @@ def test_workload_reasons_name_the_pid_file_refusals(tmp_path: Path) -> None:
     _write_pid_file(pid_file, 1, mode=0o622)
     (reason,) = workload_reasons(WorkloadConfig(name="w", pid_file=pid_file))
     assert reason.startswith("workload w: pid file") and "mode 0622" in reason
-    member = _user(MEMBER, [GROUP])
+    member = ensure_user(MEMBER, [GROUP])
     _write_pid_file(pid_file, 1, owner=member.pw_uid)
     (reason,) = workload_reasons(WorkloadConfig(name="w", pid_file=pid_file))
     assert f"owned by {MEMBER}" in reason
